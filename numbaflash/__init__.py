@@ -1,0 +1,1 @@
+"""numbaflash: exact FlashAttention in Python with Numba CUDA kernels."""

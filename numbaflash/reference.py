@@ -1,0 +1,133 @@
+"""Float64 NumPy attention that materializes S and P: the single source of truth.
+
+Kernels, the IO simulator and the benchmarks all check themselves against these two functions.
+They are written for clarity, not speed: every intermediate is an explicit (seqlen_q, seqlen_k) array.
+
+Layout is flash-attn's: ``(batch, seqlen, nheads, headdim)``.
+
+Mask alignment (bottom-right, as flash-attn >= 2.1). ``x`` is a visible score, ``.`` a hidden one.
+
+causal, seqlen_q = 2 < seqlen_k = 5 (query i sits at key position i + 3)::
+
+    x x x x .
+    x x x x x
+
+causal, seqlen_q = 5 > seqlen_k = 2 (the first three queries see no key: output 0, LSE -inf)::
+
+    . .
+    . .
+    . .
+    x .
+    x x
+
+window_size = (1, 0) with seqlen_q = seqlen_k = 4 (each query sees itself and one key before)::
+
+    x . . .
+    x x . .
+    . x x .
+    . . x x
+"""
+
+import numpy as np
+
+from .masks import key_range, normalize_window
+
+
+def visible_mask(seqlen_q, seqlen_k, causal=False, window_size=(-1, -1)):
+    """Boolean ``(seqlen_q, seqlen_k)`` array: True where query row i may attend to key j."""
+    left, right = normalize_window(causal, window_size)
+    mask = np.zeros((seqlen_q, seqlen_k), dtype=bool)
+    for row in range(seqlen_q):
+        lo, hi = key_range(row, seqlen_q, seqlen_k, left, right)
+        if lo < hi:
+            mask[row, lo:hi] = True
+    return mask
+
+
+def _scores(q, k, softmax_scale, causal, window_size):
+    """Scaled, masked scores ``(batch, nheads, seqlen_q, seqlen_k)``, -inf where hidden."""
+    batch, seqlen_q, nheads, headdim = q.shape
+    _, seqlen_k, nheads_kv, _ = k.shape
+    if softmax_scale is None:
+        softmax_scale = 1.0 / np.sqrt(headdim)
+    k_per_q_head = np.repeat(k, nheads // nheads_kv, axis=2)  # (batch, seqlen_k, nheads, headdim)
+    s = np.einsum("bihd,bjhd->bhij", q, k_per_q_head) * softmax_scale
+    mask = visible_mask(seqlen_q, seqlen_k, causal, window_size)
+    return np.where(mask, s, -np.inf)
+
+
+def _probabilities(s):
+    """Row softmax of masked scores; a row with no visible key gives P = 0 and LSE = -inf."""
+    row_max = s.max(axis=-1, keepdims=True)  # (batch, nheads, seqlen_q, 1)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+    e = np.exp(s - row_max)
+    row_sum = e.sum(axis=-1, keepdims=True)
+    p = e / np.where(row_sum > 0, row_sum, 1.0)
+    with np.errstate(divide="ignore"):
+        lse = (row_max + np.log(row_sum))[..., 0]  # (batch, nheads, seqlen_q), -inf where empty
+    return p, lse
+
+
+def _as_float64(*arrays):
+    return [np.asarray(a, dtype=np.float64) for a in arrays]
+
+
+def attention_probabilities(q, k, causal=False, softmax_scale=None, window_size=(-1, -1)):
+    """The attention matrix P ``(batch, nheads, seqlen_q, seqlen_k)`` in float64 (rows of zeros where no key is visible)."""
+    q, k = _as_float64(q, k)
+    return _probabilities(_scores(q, k, softmax_scale, causal, window_size))[0]
+
+
+def attention_forward(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1)):
+    """Exact attention in float64.
+
+    Args:
+        q: ``(batch, seqlen_q, nheads, headdim)``.
+        k, v: ``(batch, seqlen_k, nheads_kv, headdim)``; nheads is a multiple of nheads_kv (GQA/MQA),
+            query head h reads key/value head ``h // (nheads // nheads_kv)``.
+        causal: bottom-right aligned causal mask (see the module docstring).
+        softmax_scale: defaults to ``1 / sqrt(headdim)``.
+        window_size: ``(left, right)``, -1 for unbounded.
+
+    Returns:
+        out ``(batch, seqlen_q, nheads, headdim)`` float64 and lse ``(batch, nheads, seqlen_q)`` float64,
+        the natural log of each row's softmax denominator (``-inf`` for a row that sees no key).
+    """
+    q, k, v = _as_float64(q, k, v)
+    s = _scores(q, k, softmax_scale, causal, window_size)
+    p, lse = _probabilities(s)  # p: (batch, nheads, seqlen_q, seqlen_k)
+    v_per_q_head = np.repeat(v, q.shape[2] // v.shape[2], axis=2)
+    out = np.einsum("bhij,bjhd->bihd", p, v_per_q_head)
+    return out, lse
+
+
+def attention_backward(dout, q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1)):
+    """Gradients of `attention_forward`'s output in float64, by materializing P.
+
+    Args:
+        dout: ``(batch, seqlen_q, nheads, headdim)``, the gradient of the output.
+        q, k, v, causal, softmax_scale, window_size: as in `attention_forward`.
+
+    Returns:
+        dq ``(batch, seqlen_q, nheads, headdim)``, dk and dv ``(batch, seqlen_k, nheads_kv, headdim)``;
+        for GQA, dk and dv sum the contributions of every query head in the group.
+    """
+    dout, q, k, v = _as_float64(dout, q, k, v)
+    batch, seqlen_q, nheads, headdim = q.shape
+    _, seqlen_k, nheads_kv, _ = k.shape
+    group = nheads // nheads_kv
+    if softmax_scale is None:
+        softmax_scale = 1.0 / np.sqrt(headdim)
+    s = _scores(q, k, softmax_scale, causal, window_size)
+    p, _ = _probabilities(s)  # (batch, nheads, seqlen_q, seqlen_k)
+    k_h = np.repeat(k, group, axis=2)  # (batch, seqlen_k, nheads, headdim)
+    v_h = np.repeat(v, group, axis=2)
+    dv_h = np.einsum("bhij,bihd->bjhd", p, dout)
+    dp = np.einsum("bihd,bjhd->bhij", dout, v_h)
+    delta = np.einsum("bhij,bhij->bhi", p, dp)[..., None]  # rowsum(dO * O), (batch, nheads, seqlen_q, 1)
+    ds = p * (dp - delta) * softmax_scale
+    dq = np.einsum("bhij,bjhd->bihd", ds, k_h)
+    dk_h = np.einsum("bhij,bihd->bjhd", ds, q)
+    dk = dk_h.reshape(batch, seqlen_k, nheads_kv, group, headdim).sum(axis=3)
+    dv = dv_h.reshape(batch, seqlen_k, nheads_kv, group, headdim).sum(axis=3)
+    return dq, dk, dv

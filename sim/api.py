@@ -1,0 +1,225 @@
+"""`count_io`: run one schedule on the simulated hierarchy, count its traffic, check it two ways.
+
+Every run is checked against the closed form for its schedule (`Report.predicted`) and, when it
+computes values, against the float64 reference.
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from numbaflash import reference
+from numbaflash.masks import normalize_window
+
+from . import blocks as block_rules
+from . import formulas
+from .algorithms import common, flash1, flash2, standard
+from .hierarchy import Hierarchy
+from .problem import Problem
+
+ALGORITHMS = ("standard", "flash1", "flash2")
+DQ_MODES = ("accumulate", "separate")
+
+
+class SimulationMismatch(AssertionError):
+    """A schedule's result differs from the float64 reference."""
+
+
+@dataclass
+class Report:
+    """What one schedule moved. Counts are in elements; ``total_bytes`` = ``total`` x ``dtype_bytes``."""
+
+    algorithm: str
+    direction: str
+    problem: Problem
+    sram_elems: int
+    dtype_bytes: int
+    blocks: block_rules.Blocks
+    dq: str
+    reads: int
+    writes: int
+    per_tensor: dict
+    tiles: list
+    predicted: dict
+    asymptotic: dict
+    peak_sram: int
+    uncharged: dict
+    max_rel_error: float = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def total(self):
+        return self.reads + self.writes
+
+    @property
+    def total_bytes(self):
+        return self.total * self.dtype_bytes
+
+    @property
+    def matches_prediction(self):
+        return self.total == self.predicted["total"] and self.per_tensor == self.predicted["per_tensor"]
+
+
+def _inputs(p, ctx_args, backward, algorithm, rng):
+    """Random float64 inputs in HBM, plus what the backward pass reads from the forward."""
+    b, nq, nk, h, hk, d = p.batch, p.seqlen_q, p.seqlen_k, p.nheads, p.nheads_kv, p.headdim
+    q = rng.standard_normal((b, nq, h, d))
+    k = rng.standard_normal((b, nk, hk, d))
+    v = rng.standard_normal((b, nk, hk, d))
+    hbm = {"Q": q, "K": k, "V": v}
+    if not backward:
+        return hbm
+    out, lse = reference.attention_forward(q, k, v, **ctx_args)
+    hbm.update(O=out, LSE=lse, dO=rng.standard_normal(q.shape))
+    if algorithm == "standard":
+        hbm["P"] = reference.attention_probabilities(q, k, **ctx_args)
+    if algorithm == "flash1":
+        # Algorithm 4 needs P = exp(S - m) / l; with m = LSE and l = 1 that is exp(S - LSE) exactly.
+        hbm.update(m=lse.copy(), l=np.isfinite(lse).astype(np.float64))
+    return hbm
+
+
+def _outputs(p, algorithm, backward):
+    """Shapes of what the schedule writes (intermediates in HBM included)."""
+    b, nq, nk, h, hk, d = p.batch, p.seqlen_q, p.seqlen_k, p.nheads, p.nheads_kv, p.headdim
+    q_like, kv_like, nn, row = (b, nq, h, d), (b, nk, hk, d), (b, h, nq, nk), (b, h, nq)
+    if not backward:
+        extra = {"standard": {"S": nn, "P": nn}, "flash1": {"l": row, "m": row}, "flash2": {"LSE": row}}[algorithm]
+        return {"O": q_like, **extra}
+    extra = {"standard": {"dP": nn, "dS": nn}, "flash1": {}, "flash2": {"D": row}}[algorithm]
+    return {"dQ": q_like, "dK": kv_like, "dV": kv_like, **extra}
+
+
+def _input_shapes(p, algorithm, backward):
+    b, nq, nk, h, hk, d = p.batch, p.seqlen_q, p.seqlen_k, p.nheads, p.nheads_kv, p.headdim
+    shapes = {"Q": (b, nq, h, d), "K": (b, nk, hk, d), "V": (b, nk, hk, d)}
+    if backward:
+        shapes.update(O=(b, nq, h, d), dO=(b, nq, h, d), LSE=(b, h, nq))
+        shapes.update({"standard": {"P": (b, h, nq, nk)}, "flash1": {"m": (b, h, nq), "l": (b, h, nq)}, "flash2": {}}[algorithm])
+    return shapes
+
+
+def _max_rel_error(got, want):
+    """max |got - want| / max(max |want|, 1) over finite reference entries; -inf entries must match.
+
+    The floor of 1 keeps results that are exactly zero in the reference (dQ and dK with one key) from
+    turning rounding noise into an infinite relative error; the inputs are unit normal, so results
+    are of order 1 and this is a relative tolerance wherever it matters.
+    """
+    finite = np.isfinite(want)
+    if not np.array_equal(np.isneginf(got), np.isneginf(want)) or np.isnan(got).any():
+        return np.inf
+    scale = max(np.abs(want[finite]).max(initial=0.0), 1.0)
+    return float(np.abs(got[finite] - want[finite]).max(initial=0.0) / scale)
+
+
+def _verify(h, hbm_in, algorithm, backward, ctx_args):
+    q, k, v = hbm_in["Q"], hbm_in["K"], hbm_in["V"]
+    got = h.arrays
+    if not backward:
+        out, lse = reference.attention_forward(q, k, v, **ctx_args)
+        error = _max_rel_error(got["O"], out)
+        if algorithm == "flash1":
+            with np.errstate(divide="ignore"):
+                error = max(error, _max_rel_error(np.where(got["l"] > 0, got["m"] + np.log(got["l"]), -np.inf), lse))
+        elif algorithm == "flash2":
+            error = max(error, _max_rel_error(got["LSE"], lse))
+        return error  # standard attention keeps P, not the LSE
+    dq, dk, dv = reference.attention_backward(hbm_in["dO"], q, k, v, **ctx_args)
+    return max(_max_rel_error(got["dQ"], dq), _max_rel_error(got["dK"], dk), _max_rel_error(got["dV"], dv))
+
+
+def count_io(seqlen, headdim, *, sram_bytes=None, algorithm="flash2", seqlen_k=None, batch=1, nheads=1,
+             nheads_kv=None, causal=False, window_size=(-1, -1), backward=False, dtype_bytes=2,
+             block_sizes=None, dq="accumulate", plan=None, compute=True, rtol=1e-10, seed=0):
+    """Run ``algorithm`` on a simulated HBM + SRAM hierarchy and count every element it moves.
+
+    Args:
+        seqlen, headdim: N_q and d. ``seqlen_k`` defaults to ``seqlen``.
+        sram_bytes: SRAM capacity; M = sram_bytes // dtype_bytes elements. Defaults to ``plan.sram_bytes``.
+        algorithm: "standard", "flash1" or "flash2".
+        batch, nheads, nheads_kv: heads of K and V default to ``nheads``; nheads must be a multiple.
+        causal, window_size: the mask, as in `numbaflash.attention`.
+        backward: count the backward pass alone (its inputs, such as O and LSE, are already in HBM).
+        dtype_bytes: bytes per element, for M and ``total_bytes``.
+        block_sizes: ``(B_r, B_c)`` replacing the derived blocks.
+        dq: FlashAttention-2 backward only: "accumulate" (the paper: dQ read and written in HBM per
+            step) or "separate" (numbaflash's kernels: a dK/dV pass, then a dQ pass).
+        plan: a `numbaflash.Plan`: count the schedule a kernel ran (its blocks, SRAM and dQ strategy).
+        compute: carry values and check the result against the float64 reference (``rtol``); with
+            False, only count (for sizes too large to evaluate).
+
+    Returns a `Report`. Raises `SramOverflow` if a step does not fit and `SimulationMismatch` if the
+    result differs from the reference.
+    """
+    if plan is not None:
+        algorithm, block_sizes, dq = "flash2", (plan.block_m, plan.block_n), plan.dq_strategy
+        sram_bytes = plan.sram_bytes if sram_bytes is None else sram_bytes
+        dtype_bytes = plan.dtype_bytes
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    if dq not in DQ_MODES:
+        raise ValueError(f"dq must be one of {DQ_MODES}, got {dq!r}")
+    seqlen_k = seqlen if seqlen_k is None else seqlen_k
+    nheads_kv = nheads if nheads_kv is None else nheads_kv
+    for name, value in (("seqlen", seqlen), ("seqlen_k", seqlen_k), ("headdim", headdim), ("batch", batch),
+                        ("nheads", nheads), ("nheads_kv", nheads_kv), ("dtype_bytes", dtype_bytes)):
+        if int(value) != value or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if nheads % nheads_kv:
+        raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_kv ({nheads_kv})")
+    if sram_bytes is None or sram_bytes < dtype_bytes:
+        raise ValueError(f"sram_bytes must hold at least one element of {dtype_bytes} bytes, got {sram_bytes!r}")
+    left, right = normalize_window(causal, window_size)
+    p = Problem(seqlen, seqlen_k, headdim, batch, nheads, nheads_kv, left, right)
+    M = sram_bytes // dtype_bytes
+    if block_sizes is None:
+        blocks = block_rules.derive(algorithm, M, headdim, seqlen, seqlen_k, backward, dq)
+    else:
+        blocks = block_rules.Blocks(*(int(b) for b in block_sizes))
+        if min(blocks.rows, blocks.cols) < 1:
+            raise ValueError(f"block_sizes must be positive, got {block_sizes!r}")
+
+    ctx_args = dict(causal=causal, softmax_scale=1.0 / np.sqrt(headdim), window_size=window_size)
+    if compute:
+        hbm_in = _inputs(p, ctx_args, backward, algorithm, np.random.default_rng(seed))
+        hbm = dict(hbm_in)
+        # Outputs start as NaN: an element the schedule never writes fails the check.
+        hbm.update({name: np.full(shape, np.nan) for name, shape in _outputs(p, algorithm, backward).items()})
+        ctx = common.Context(ctx_args["softmax_scale"], reference.visible_mask(seqlen, seqlen_k, causal, window_size))
+    else:
+        hbm = {**_input_shapes(p, algorithm, backward), **_outputs(p, algorithm, backward)}
+        ctx = common.Context(ctx_args["softmax_scale"])
+    h = Hierarchy(M, hbm, compute=compute)
+
+    if algorithm == "standard":
+        rows = block_rules.softmax_rows(M, seqlen_k, backward)
+        (standard.backward if backward else standard.forward)(h, p, blocks, ctx, rows)
+    elif algorithm == "flash1":
+        (flash1.backward if backward else flash1.forward)(h, p, blocks, ctx)
+    elif backward:
+        flash2.backward(h, p, blocks, ctx, dq=dq)
+    else:
+        flash2.forward(h, p, blocks, ctx)
+
+    names = sorted(set(h.reads) | set(h.writes))
+    per_tensor = {n: {"reads": h.reads.get(n, 0), "writes": h.writes.get(n, 0)} for n in names}
+    predicted = formulas.predicted(algorithm, backward, p, blocks, dq)
+    predicted["formula"] = formulas.FORMULAS[(algorithm, backward)]
+    formula, value = formulas.asymptotic(algorithm, p, M)
+    total = sum(h.reads.values()) + sum(h.writes.values())
+    report = Report(
+        algorithm=algorithm, direction="backward" if backward else "forward", problem=p, sram_elems=M,
+        dtype_bytes=dtype_bytes, blocks=blocks, dq=dq if (algorithm == "flash2" and backward) else None,
+        reads=sum(h.reads.values()), writes=sum(h.writes.values()), per_tensor=per_tensor, tiles=h.steps,
+        predicted=predicted, asymptotic={"formula": formula, "value": value, "ratio": total / value},
+        peak_sram=h.peak, uncharged=dict(h.uncharged),
+    )
+    if compute:
+        report.max_rel_error = _verify(h, hbm_in, algorithm, backward, ctx_args)
+        if not report.max_rel_error <= rtol:
+            raise SimulationMismatch(
+                f"{algorithm} {report.direction}: result differs from the float64 reference by "
+                f"{report.max_rel_error:.3e} relative (tolerance {rtol:g})"
+            )
+    return report

@@ -1,0 +1,51 @@
+"""The attention problem a schedule runs on: sizes, heads, mask, and its row and column blocks."""
+
+from dataclasses import dataclass
+
+from numbaflash.masks import block_key_range
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Sizes of one attention call; ``left``/``right`` is the normalized window (-1 unbounded)."""
+
+    seqlen_q: int
+    seqlen_k: int
+    headdim: int
+    batch: int = 1
+    nheads: int = 1
+    nheads_kv: int = 1
+    left: int = -1
+    right: int = -1
+
+    @property
+    def group(self):
+        return self.nheads // self.nheads_kv
+
+    def row_blocks(self, block_rows):
+        """``(i, r0, r1)`` for each block of query rows."""
+        return [(i, r0, min(r0 + block_rows, self.seqlen_q)) for i, r0 in enumerate(range(0, self.seqlen_q, block_rows))]
+
+    def col_blocks(self, block_cols):
+        """``(j, c0, c1)`` for each block of keys."""
+        return [(j, c0, min(c0 + block_cols, self.seqlen_k)) for j, c0 in enumerate(range(0, self.seqlen_k, block_cols))]
+
+    def key_range(self, r0, r1):
+        return block_key_range(r0, r1, self.seqlen_q, self.seqlen_k, self.left, self.right)
+
+    def visible(self, r0, r1, c0, c1):
+        """Whether the tile rows [r0, r1) x keys [c0, c1) holds at least one visible score."""
+        lo, hi = self.key_range(r0, r1)
+        return max(lo, c0) < min(hi, c1)
+
+    def visible_cols(self, r0, r1, block_cols):
+        """The key blocks a query block must visit; the rest the mask hides entirely."""
+        return [(j, c0, c1) for j, c0, c1 in self.col_blocks(block_cols) if self.visible(r0, r1, c0, c1)]
+
+    def visible_rows(self, c0, c1, block_rows):
+        """The query blocks that see at least one key of [c0, c1)."""
+        return [(i, r0, r1) for i, r0, r1 in self.row_blocks(block_rows) if self.visible(r0, r1, c0, c1)]

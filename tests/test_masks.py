@@ -1,0 +1,22 @@
+"""Block-level mask helpers against the row-level truth they summarize."""
+
+from hypothesis import given, strategies as st
+
+from numbaflash import masks, reference
+
+sizes = st.integers(1, 40)
+sides = st.integers(-1, 12)
+
+
+@given(nq=sizes, nk=sizes, causal=st.booleans(), left=sides, right=sides,
+       block=st.integers(1, 16), bcols=st.integers(1, 16))
+def test_block_range_visits_exactly_the_tiles_with_a_visible_score(nq, nk, causal, left, right, block, bcols):
+    mask = reference.visible_mask(nq, nk, causal, (left, right))
+    l, r = masks.normalize_window(causal, (left, right))
+    for r0 in range(0, nq, block):
+        r1 = min(r0 + block, nq)
+        lo, hi = masks.block_key_range(r0, r1, nq, nk, l, r)
+        for c0 in range(0, nk, bcols):
+            c1 = min(c0 + bcols, nk)
+            assert (max(lo, c0) < min(hi, c1)) == bool(mask[r0:r1, c0:c1].any())
+            assert masks.tile_is_full(r0, r1, c0, c1, nq, nk, l, r) == bool(mask[r0:r1, c0:c1].all())

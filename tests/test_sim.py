@@ -1,0 +1,136 @@
+"""`sim.count_io`: exact closed forms, the reference, the SRAM budget, and the scaling laws."""
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings, strategies as st
+
+import sim
+from sim.blocks import derive, min_sram
+from sim.problem import cdiv
+
+DQ = {("flash2", True): ["accumulate", "separate"]}
+# Simulated schedules are cheap: twelve times the examples of the active profile (kernel tests' budget).
+MANY = settings(max_examples=12 * settings().max_examples)
+
+
+@st.composite
+def problems(draw):
+    """Sizes, heads, mask and an SRAM budget that keep the simulated run to a few thousand steps."""
+    algorithm = draw(st.sampled_from(sim.ALGORITHMS))
+    backward = draw(st.booleans())
+    dq = draw(st.sampled_from(DQ.get((algorithm, backward), ["accumulate"])))
+    nq = draw(st.integers(1, 300))
+    nk = draw(st.one_of(st.just(nq), st.integers(1, 300)))
+    d = draw(st.integers(1, 128))
+    nheads_kv = draw(st.integers(1, 2))
+    nheads = nheads_kv * draw(st.integers(1, 2))
+    causal = draw(st.booleans())
+    window = draw(st.sampled_from([(-1, -1), (-1, -1), (0, 0), (7, 3), (40, -1), (-1, 25)]))
+    low = min_sram(algorithm, d, nk, backward, dq)
+    M = draw(st.integers(low, 40 * low))
+    blocks = derive(algorithm, M, d, nq, nk, backward, dq)
+    assume(cdiv(nq, blocks.rows) * cdiv(nk, blocks.cols) * nheads <= 1500)
+    return dict(algorithm=algorithm, backward=backward, dq=dq, seqlen=nq, seqlen_k=nk, headdim=d, nheads=nheads,
+                nheads_kv=nheads_kv, causal=causal, window_size=window, sram_bytes=2 * M)
+
+
+@MANY
+@given(problems())
+def test_counts_equal_the_closed_form_and_the_result_the_reference(case):
+    # count_io itself raises SimulationMismatch unless the result matches float64 to 1e-10 relative.
+    report = sim.count_io(**case, batch=2)
+    assert report.per_tensor == report.predicted["per_tensor"]
+    assert report.total == report.predicted["total"]
+    assert report.max_rel_error <= 1e-10
+    assert report.peak_sram <= report.sram_elems
+
+
+@MANY
+@given(problems())
+def test_counting_without_values_counts_the_same(case):
+    assert sim.count_io(**case).per_tensor == sim.count_io(**case, compute=False).per_tensor
+
+
+@MANY
+@given(data=st.data(), d=st.integers(1, 75), extra=st.integers(0, 5000), causal=st.booleans())
+def test_flash2_moves_less_than_standard_when_n_at_least_4d_and_m_at_least_4d2(data, d, extra, causal):
+    n = data.draw(st.integers(4 * d, 300), label="n")
+    M = max(4 * d * d, min_sram("flash2", d, n, False), min_sram("standard", d, n, False)) + extra
+    counts = {alg: sim.count_io(n, d, sram_bytes=2 * M, algorithm=alg, causal=causal, compute=False).total
+              for alg in ("flash2", "standard")}
+    assert counts["flash2"] < counts["standard"]
+
+
+def test_standard_forward_is_exactly_4n2_plus_4nd_for_any_m():
+    n, d = 200, 16
+    for M in (400, 1000, 5000, 40000):
+        assert sim.count_io(n, d, sram_bytes=2 * M, algorithm="standard").total == 4 * n * n + 4 * n * d
+
+
+def test_standard_traffic_does_not_depend_on_m():
+    totals = {sim.count_io(300, 32, sram_bytes=2 * M, algorithm="standard", backward=bwd, compute=False).total
+              for M in (600, 2000, 9000) for bwd in (False,)}
+    assert len(totals) == 1
+
+
+@pytest.mark.parametrize("algorithm", ["flash1", "flash2"])
+def test_doubling_n_multiplies_flash_traffic_by_about_4(algorithm):
+    a, b = (sim.count_io(n, 64, sram_bytes=2 * 16384, algorithm=algorithm, compute=False).total for n in (2048, 4096))
+    assert 3.8 <= b / a <= 4.05
+
+
+@pytest.mark.parametrize("algorithm", ["flash1", "flash2"])
+def test_halving_m_about_doubles_flash_traffic(algorithm):
+    # M >> d^2, where FA1's B_r = min(M/4d, d) sits at its cap and both block rules scale with M.
+    a, b = (sim.count_io(8192, 32, sram_bytes=2 * M, algorithm=algorithm, compute=False).total for M in (65536, 32768))
+    assert 1.8 <= b / a <= 2.3
+
+
+def test_causal_and_window_masks_skip_hidden_tiles():
+    full = sim.count_io(512, 32, sram_bytes=2 * 8192, algorithm="flash2")
+    causal = sim.count_io(512, 32, sram_bytes=2 * 8192, algorithm="flash2", causal=True)
+    window = sim.count_io(512, 32, sram_bytes=2 * 8192, algorithm="flash2", window_size=(64, 0))
+    assert window.total < causal.total < full.total
+    visited = lambda r: sum(1 for s in r.tiles if "j" in s)
+    assert visited(causal) < visited(full)
+
+
+def test_overflow_names_the_tiles_and_the_budget():
+    with pytest.raises(sim.SramOverflow, match=r"S_ij needs 4096 elements .* of the 5000-element budget.*Q\["):
+        sim.count_io(256, 16, sram_bytes=2 * 5000, algorithm="flash2", block_sizes=(64, 64))
+
+
+def test_too_small_an_sram_is_refused_with_the_minimum():
+    with pytest.raises(sim.SramOverflow, match="smallest tiles need 515"):
+        sim.count_io(64, 128, sram_bytes=2 * 500, algorithm="flash2")
+
+
+def test_a_wrong_result_is_caught(monkeypatch):
+    from sim import online_softmax
+
+    real = online_softmax.finalize
+    monkeypatch.setattr(online_softmax, "finalize", lambda m, l, acc: (real(m, l, acc)[0] * 1.001, real(m, l, acc)[1]))
+    with pytest.raises(sim.SimulationMismatch):
+        sim.count_io(40, 8, sram_bytes=2 * 2000, algorithm="flash2")
+
+
+def test_bad_arguments_are_refused_with_what_is_accepted():
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        sim.count_io(8, 8, sram_bytes=4096, algorithm="flash3")
+    with pytest.raises(ValueError, match="multiple of nheads_kv"):
+        sim.count_io(8, 8, sram_bytes=4096, nheads=3, nheads_kv=2)
+
+
+def test_ledger_sums_to_the_totals():
+    report = sim.count_io(100, 16, sram_bytes=2 * 3000, algorithm="flash1", causal=True, nheads=2)
+    reads = sum(sum(s["reads"].values()) for s in report.tiles)
+    writes = sum(sum(s["writes"].values()) for s in report.tiles)
+    assert (reads, writes) == (report.reads, report.writes)
+
+
+def test_standard_uncharged_rereads_are_reported():
+    report = sim.count_io(128, 16, sram_bytes=2 * 1000, algorithm="standard")
+    rows = report.blocks.rows
+    # K is re-read for every query block after the first: (T_r - 1) * N * d elements served on chip.
+    assert report.uncharged["K"] == (cdiv(128, rows) - 1) * 128 * 16
+    assert np.isclose(report.asymptotic["ratio"], 1.0)
