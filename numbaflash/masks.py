@@ -55,3 +55,21 @@ def tile_is_full(row_start, row_end, col_start, col_end, seqlen_q, seqlen_k, lef
     lo_last, _ = key_range(row_end - 1, seqlen_q, seqlen_k, left, right)
     _, hi_first = key_range(row_start, seqlen_q, seqlen_k, left, right)
     return col_start >= lo_last and col_end <= hi_first
+
+
+def query_range(col_start, col_end, seqlen_q, seqlen_k, left, right):
+    """Rows ``[lo, hi)`` that see at least one key of ``[col_start, col_end)``: the inverse of `key_range`.
+
+    Row i sees key j iff ``pos - left <= j <= pos + right`` with ``pos = i + seqlen_k - seqlen_q`` (a side
+    of -1 unbounded). Some key of the block is seen iff ``pos + right >= col_start`` and
+    ``pos - left < col_end``; every row in between is non-empty, because with ``left, right >= 0``
+    a row can only be empty when its range is clipped away entirely at 0 or at seqlen_k.
+    """
+    offset = seqlen_k - seqlen_q
+    lo = 0
+    if right >= 0 and col_start - right - offset > 0:
+        lo = col_start - right - offset
+    hi = seqlen_q
+    if left >= 0 and col_end + left - offset < seqlen_q:
+        hi = col_end + left - offset
+    return lo, hi

@@ -51,7 +51,7 @@ def _scores(q, k, softmax_scale, causal, window_size):
     if softmax_scale is None:
         softmax_scale = 1.0 / np.sqrt(headdim)
     k_per_q_head = np.repeat(k, nheads // nheads_kv, axis=2)  # (batch, seqlen_k, nheads, headdim)
-    s = np.einsum("bihd,bjhd->bhij", q, k_per_q_head) * softmax_scale
+    s = _heads_first(q) @ _heads_first(k_per_q_head).swapaxes(-1, -2) * softmax_scale
     mask = visible_mask(seqlen_q, seqlen_k, causal, window_size)
     return np.where(mask, s, -np.inf)
 
@@ -70,6 +70,11 @@ def _probabilities(s):
 
 def _as_float64(*arrays):
     return [np.asarray(a, dtype=np.float64) for a in arrays]
+
+
+def _heads_first(x):
+    """(batch, seqlen, nheads, headdim) -> (batch, nheads, seqlen, headdim), for batched matmul (BLAS)."""
+    return x.transpose(0, 2, 1, 3)
 
 
 def attention_probabilities(q, k, causal=False, softmax_scale=None, window_size=(-1, -1)):
@@ -97,7 +102,7 @@ def attention_forward(q, k, v, causal=False, softmax_scale=None, window_size=(-1
     s = _scores(q, k, softmax_scale, causal, window_size)
     p, lse = _probabilities(s)  # p: (batch, nheads, seqlen_q, seqlen_k)
     v_per_q_head = np.repeat(v, q.shape[2] // v.shape[2], axis=2)
-    out = np.einsum("bhij,bjhd->bihd", p, v_per_q_head)
+    out = _heads_first(p @ _heads_first(v_per_q_head))
     return out, lse
 
 
@@ -120,14 +125,14 @@ def attention_backward(dout, q, k, v, causal=False, softmax_scale=None, window_s
         softmax_scale = 1.0 / np.sqrt(headdim)
     s = _scores(q, k, softmax_scale, causal, window_size)
     p, _ = _probabilities(s)  # (batch, nheads, seqlen_q, seqlen_k)
-    k_h = np.repeat(k, group, axis=2)  # (batch, seqlen_k, nheads, headdim)
-    v_h = np.repeat(v, group, axis=2)
-    dv_h = np.einsum("bhij,bihd->bjhd", p, dout)
-    dp = np.einsum("bihd,bjhd->bhij", dout, v_h)
-    delta = np.einsum("bhij,bhij->bhi", p, dp)[..., None]  # rowsum(dO * O), (batch, nheads, seqlen_q, 1)
+    k_h, v_h = (_heads_first(np.repeat(x, group, axis=2)) for x in (k, v))  # (batch, nheads, seqlen_k, headdim)
+    q_h, do_h = _heads_first(q), _heads_first(dout)  # (batch, nheads, seqlen_q, headdim)
+    dv_h = _heads_first(p.swapaxes(-1, -2) @ do_h)  # (batch, seqlen_k, nheads, headdim)
+    dp = do_h @ v_h.swapaxes(-1, -2)  # (batch, nheads, seqlen_q, seqlen_k)
+    delta = (p * dp).sum(axis=-1, keepdims=True)  # rowsum(dO * O), (batch, nheads, seqlen_q, 1)
     ds = p * (dp - delta) * softmax_scale
-    dq = np.einsum("bhij,bjhd->bihd", ds, k_h)
-    dk_h = np.einsum("bhij,bihd->bjhd", ds, q)
+    dq = _heads_first(ds @ k_h)
+    dk_h = _heads_first(ds.swapaxes(-1, -2) @ q_h)
     dk = dk_h.reshape(batch, seqlen_k, nheads_kv, group, headdim).sum(axis=3)
     dv = dv_h.reshape(batch, seqlen_k, nheads_kv, group, headdim).sum(axis=3)
     return dq, dk, dv

@@ -129,29 +129,9 @@ def _verify(h, hbm_in, algorithm, backward, ctx_args):
     return max(_max_rel_error(got["dQ"], dq), _max_rel_error(got["dK"], dk), _max_rel_error(got["dV"], dv))
 
 
-def count_io(seqlen, headdim, *, sram_bytes=None, algorithm="flash2", seqlen_k=None, batch=1, nheads=1,
-             nheads_kv=None, causal=False, window_size=(-1, -1), backward=False, dtype_bytes=2,
-             block_sizes=None, dq="accumulate", plan=None, compute=True, rtol=1e-10, seed=0):
-    """Run ``algorithm`` on a simulated HBM + SRAM hierarchy and count every element it moves.
-
-    Args:
-        seqlen, headdim: N_q and d. ``seqlen_k`` defaults to ``seqlen``.
-        sram_bytes: SRAM capacity; M = sram_bytes // dtype_bytes elements. Defaults to ``plan.sram_bytes``.
-        algorithm: "standard", "flash1" or "flash2".
-        batch, nheads, nheads_kv: heads of K and V default to ``nheads``; nheads must be a multiple.
-        causal, window_size: the mask, as in `numbaflash.attention`.
-        backward: count the backward pass alone (its inputs, such as O and LSE, are already in HBM).
-        dtype_bytes: bytes per element, for M and ``total_bytes``.
-        block_sizes: ``(B_r, B_c)`` replacing the derived blocks.
-        dq: FlashAttention-2 backward only: "accumulate" (the paper: dQ read and written in HBM per
-            step) or "separate" (numbaflash's kernels: a dK/dV pass, then a dQ pass).
-        plan: a `numbaflash.Plan`: count the schedule a kernel ran (its blocks, SRAM and dQ strategy).
-        compute: carry values and check the result against the float64 reference (``rtol``); with
-            False, only count (for sizes too large to evaluate).
-
-    Returns a `Report`. Raises `SramOverflow` if a step does not fit and `SimulationMismatch` if the
-    result differs from the reference.
-    """
+def _resolve(seqlen, headdim, sram_bytes, algorithm, seqlen_k, batch, nheads, nheads_kv, causal, window_size,
+             backward, dtype_bytes, block_sizes, dq, plan):
+    """Validate the arguments shared by `count_io` and `predict_io`; the problem, M and the blocks."""
     if plan is not None:
         algorithm, block_sizes, dq = "flash2", (plan.block_m, plan.block_n), plan.dq_strategy
         sram_bytes = plan.sram_bytes if sram_bytes is None else sram_bytes
@@ -179,7 +159,51 @@ def count_io(seqlen, headdim, *, sram_bytes=None, algorithm="flash2", seqlen_k=N
         blocks = block_rules.Blocks(*(int(b) for b in block_sizes))
         if min(blocks.rows, blocks.cols) < 1:
             raise ValueError(f"block_sizes must be positive, got {block_sizes!r}")
+    return algorithm, p, M, blocks, dq, dtype_bytes
 
+
+def predict_io(seqlen, headdim, *, sram_bytes=None, algorithm="flash2", seqlen_k=None, batch=1, nheads=1,
+               nheads_kv=None, causal=False, window_size=(-1, -1), backward=False, dtype_bytes=2,
+               block_sizes=None, dq="accumulate", plan=None):
+    """The closed form of `count_io`'s count, without running the schedule (instant at any size).
+
+    Same arguments as `count_io`. Returns ``{"reads", "writes", "total", "per_tensor", "total_bytes",
+    "blocks"}``; `count_io` checks that the schedule moves exactly this.
+    """
+    algorithm, p, M, blocks, dq, dtype_bytes = _resolve(
+        seqlen, headdim, sram_bytes, algorithm, seqlen_k, batch, nheads, nheads_kv, causal, window_size,
+        backward, dtype_bytes, block_sizes, dq, plan)
+    prediction = formulas.predicted(algorithm, backward, p, blocks, dq)
+    return {**prediction, "total_bytes": prediction["total"] * dtype_bytes, "blocks": blocks}
+
+
+def count_io(seqlen, headdim, *, sram_bytes=None, algorithm="flash2", seqlen_k=None, batch=1, nheads=1,
+             nheads_kv=None, causal=False, window_size=(-1, -1), backward=False, dtype_bytes=2,
+             block_sizes=None, dq="accumulate", plan=None, compute=True, rtol=1e-10, seed=0):
+    """Run ``algorithm`` on a simulated HBM + SRAM hierarchy and count every element it moves.
+
+    Args:
+        seqlen, headdim: N_q and d. ``seqlen_k`` defaults to ``seqlen``.
+        sram_bytes: SRAM capacity; M = sram_bytes // dtype_bytes elements. Defaults to ``plan.sram_bytes``.
+        algorithm: "standard", "flash1" or "flash2".
+        batch, nheads, nheads_kv: heads of K and V default to ``nheads``; nheads must be a multiple.
+        causal, window_size: the mask, as in `numbaflash.attention`.
+        backward: count the backward pass alone (its inputs, such as O and LSE, are already in HBM).
+        dtype_bytes: bytes per element, for M and ``total_bytes``.
+        block_sizes: ``(B_r, B_c)`` replacing the derived blocks.
+        dq: FlashAttention-2 backward only: "accumulate" (the paper: dQ read and written in HBM per
+            step) or "separate" (numbaflash's kernels: a dK/dV pass, then a dQ pass).
+        plan: a `numbaflash.Plan`: count the schedule a kernel ran (its blocks, SRAM and dQ strategy).
+        compute: carry values and check the result against the float64 reference (``rtol``); with
+            False, only count (for sizes too large to evaluate).
+
+    Returns a `Report`. Raises `SramOverflow` if a step does not fit and `SimulationMismatch` if the
+    result differs from the reference.
+    """
+    algorithm, p, M, blocks, dq, dtype_bytes = _resolve(
+        seqlen, headdim, sram_bytes, algorithm, seqlen_k, batch, nheads, nheads_kv, causal, window_size,
+        backward, dtype_bytes, block_sizes, dq, plan)
+    seqlen_k = p.seqlen_k
     ctx_args = dict(causal=causal, softmax_scale=1.0 / np.sqrt(headdim), window_size=window_size)
     if compute:
         hbm_in = _inputs(p, ctx_args, backward, algorithm, np.random.default_rng(seed))

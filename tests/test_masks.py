@@ -1,6 +1,7 @@
 """Block-level mask helpers against the row-level truth they summarize."""
 
-from hypothesis import given, strategies as st
+import numpy as np
+from hypothesis import given, settings, strategies as st
 
 from numbaflash import masks, reference
 
@@ -8,6 +9,7 @@ sizes = st.integers(1, 40)
 sides = st.integers(-1, 12)
 
 
+@settings(max_examples=200)
 @given(nq=sizes, nk=sizes, causal=st.booleans(), left=sides, right=sides,
        block=st.integers(1, 16), bcols=st.integers(1, 16))
 def test_block_range_visits_exactly_the_tiles_with_a_visible_score(nq, nk, causal, left, right, block, bcols):
@@ -20,3 +22,15 @@ def test_block_range_visits_exactly_the_tiles_with_a_visible_score(nq, nk, causa
             c1 = min(c0 + bcols, nk)
             assert (max(lo, c0) < min(hi, c1)) == bool(mask[r0:r1, c0:c1].any())
             assert masks.tile_is_full(r0, r1, c0, c1, nq, nk, l, r) == bool(mask[r0:r1, c0:c1].all())
+
+
+@settings(max_examples=200)
+@given(nq=sizes, nk=sizes, causal=st.booleans(), left=sides, right=sides, bcols=st.integers(1, 16))
+def test_query_range_is_exactly_the_rows_that_see_a_key_block(nq, nk, causal, left, right, bcols):
+    mask = reference.visible_mask(nq, nk, causal, (left, right))
+    l, r = masks.normalize_window(causal, (left, right))
+    for c0 in range(0, nk, bcols):
+        c1 = min(c0 + bcols, nk)
+        lo, hi = masks.query_range(c0, c1, nq, nk, l, r)
+        sees = mask[:, c0:c1].any(axis=1)
+        assert list(np.flatnonzero(sees)) == list(range(max(lo, 0), min(hi, nq)))

@@ -1,0 +1,159 @@
+"""Arrays at the public boundary: what callers pass, what kernels receive, what callers get back.
+
+Accepted: CuPy arrays, torch CUDA tensors, any object with ``__cuda_array_interface__`` or (through
+CuPy) ``__dlpack__``, and NumPy arrays when the CUDA simulator is on. Kernels receive zero-copy numba
+views with the caller's strides (bfloat16 as its raw uint16 bits); outputs are allocated by the same
+library as ``q`` on the same device, and kernels run on that library's current stream.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .kernels.elements import STORAGE, kernel_dtype
+from .kernels.intrinsics import SIMULATOR
+
+
+@dataclass
+class Operand:
+    """One array argument, described without touching its data."""
+
+    obj: object
+    kind: str  # "numpy", "cupy", "torch" or "cai"
+    shape: tuple
+    strides: tuple  # bytes
+    dtype: str
+    device: int  # -1 on the host
+    ptr: int
+
+    def vector_aligned(self):
+        """Whether 4 consecutive head-dim elements come in one aligned vector load (at most 16 bytes)."""
+        itemsize = kernel_dtype(self.dtype).itemsize
+        align = min(16, 4 * itemsize)
+        return (self.shape[-1] % 4 == 0 and self.strides[-1] == itemsize and self.ptr % align == 0
+                and all(s % align == 0 for s in self.strides[:-1]))
+
+    def kernel_view(self):
+        """The array a kernel takes: same memory and strides, bfloat16 reinterpreted as uint16."""
+        kdtype = kernel_dtype(self.dtype)
+        if self.kind == "numpy":
+            # The simulator's device array wraps the NumPy view as is: no copy, strides kept, outputs
+            # written in place (passing the bare array would copy it, and refuse it if strided).
+            from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+            return FakeCUDAArray(self.obj.view(kdtype) if self.obj.dtype != kdtype else self.obj)
+        from numba import cuda
+
+        interface = {"shape": self.shape, "strides": self.strides, "typestr": kdtype.str,
+                     "data": (self.ptr, False), "version": 3}
+        return cuda.from_cuda_array_interface(interface, owner=self.obj, sync=False)
+
+
+def _dtype_name(dtype):
+    name = str(dtype).replace("torch.", "")
+    return name
+
+
+def is_device_array(x):
+    """Whether ``x`` is one of the GPU array kinds `describe` accepts (without touching the driver)."""
+    return (type(x).__module__.split(".")[0] in ("torch", "cupy") or hasattr(x, "__cuda_array_interface__")
+            or hasattr(x, "__dlpack__"))
+
+
+def describe(x, name):
+    """An `Operand` for a user array; TypeError for anything numbaflash cannot read."""
+    module = type(x).__module__.split(".")[0]
+    if isinstance(x, np.ndarray):
+        if not SIMULATOR:
+            raise TypeError(
+                f"{name} is a NumPy array, which lives in host memory: pass CuPy arrays or torch CUDA tensors "
+                "(or set NUMBA_ENABLE_CUDASIM=1 before importing numba to run on the CUDA simulator)")
+        return Operand(x, "numpy", x.shape, x.strides, _dtype_name(x.dtype), -1, x.ctypes.data)
+    if module == "torch":
+        if not x.is_cuda:
+            raise TypeError(f"{name} is a torch tensor on {x.device}: numbaflash runs on CUDA tensors")
+        itemsize = x.element_size()
+        return Operand(x, "torch", tuple(x.shape), tuple(s * itemsize for s in x.stride()), _dtype_name(x.dtype),
+                       x.device.index, x.data_ptr())
+    if module == "cupy":
+        return Operand(x, "cupy", x.shape, x.strides, _dtype_name(x.dtype), x.device.id, x.data.ptr)
+    if hasattr(x, "__cuda_array_interface__"):
+        cai = x.__cuda_array_interface__
+        dtype = np.dtype(cai["typestr"])
+        shape = tuple(cai["shape"])
+        strides = cai.get("strides") or tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) * dtype.itemsize
+                                              for i in range(len(shape)))
+        return Operand(x, "cai", shape, tuple(strides), _dtype_name(dtype), _device_of(cai["data"][0]), cai["data"][0])
+    if hasattr(x, "__dlpack__"):
+        try:
+            import cupy
+        except ImportError:
+            raise TypeError(f"{name} offers only DLPack; install CuPy (numbaflash[cuda12] or [cuda13]) to pass it") from None
+        return describe(cupy.from_dlpack(x), name)
+    raise TypeError(f"{name} must be a CuPy array, a torch CUDA tensor, or expose __cuda_array_interface__ "
+                    f"or __dlpack__; got {type(x).__module__}.{type(x).__name__}")
+
+
+def _device_of(ptr):
+    """The ordinal of the GPU that owns device pointer ``ptr`` (CUDA's unified addressing knows it)."""
+    from numba.cuda.cudadrv.driver import binding, driver
+
+    attribute = binding.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+    return int(driver.cuPointerGetAttribute(attribute, ptr))
+
+
+def single_head_view(op, name):
+    """A 2-D (seqlen, headdim) operand as a (1, seqlen, 1, headdim) view of the same memory."""
+    x = op.obj[None, :, None, :]
+    return describe(x, name)
+
+
+def empty(like, shape, dtype):
+    """An uninitialized array of ``dtype`` ("float32", "bfloat16", ...) of the same kind and device as ``like``."""
+    if like.kind == "numpy":
+        return np.empty(shape, dtype=_numpy_dtype(dtype))
+    if like.kind == "torch":
+        import torch
+
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=like.obj.device)
+    try:
+        import cupy
+    except ImportError:
+        from numba import cuda
+
+        with cuda.gpus[like.device]:
+            return cuda.device_array(shape, dtype=_numpy_dtype(dtype))
+    with cupy.cuda.Device(like.device):
+        return cupy.empty(shape, dtype=_numpy_dtype(dtype))
+
+
+def _numpy_dtype(name):
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def stream_of(op):
+    """The numba stream to launch on: the caller library's current stream on ``op``'s device."""
+    if op.kind == "numpy":
+        return 0
+    from numba import cuda
+
+    if op.kind == "torch":
+        import torch
+
+        ptr = torch.cuda.current_stream(op.obj.device).cuda_stream
+    elif op.kind == "cupy":
+        import cupy
+
+        with cupy.cuda.Device(op.device):
+            ptr = cupy.cuda.get_current_stream().ptr
+    else:
+        ptr = op.obj.__cuda_array_interface__.get("stream") or 0
+        ptr = 0 if ptr in (1, 2) else ptr  # 1 and 2 name the legacy and per-thread default streams
+    return cuda.external_stream(ptr) if ptr else cuda.default_stream()
+
+
+__all__ = ["Operand", "STORAGE", "describe", "empty", "single_head_view", "stream_of"]

@@ -1,0 +1,291 @@
+"""The public API: `attention`, `plan` and `explain`, with every check at the boundary."""
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _arrays, masks, tiling
+from .kernels import compiled, simt_backward, simt_forward
+from .kernels.elements import STORAGE
+from .kernels.intrinsics import SIMULATOR
+
+MAX_HEADDIM = 256
+LOG2E = math.log2(math.e)
+
+
+@dataclass
+class Call:
+    """A validated call: 4-D operands and the sizes and options the kernels need."""
+
+    q: _arrays.Operand
+    k: _arrays.Operand
+    v: _arrays.Operand
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads: int
+    nheads_kv: int
+    headdim: int
+    dtype: str
+    softmax_scale: float
+    left: int
+    right: int
+    single_head: bool
+
+    @property
+    def device(self):
+        return self.q.device
+
+    @property
+    def lse_dtype(self):
+        return tiling.accumulator(self.dtype)
+
+
+def _check_flag(value, name):
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def _check_window(window_size):
+    ok = (isinstance(window_size, (tuple, list)) and len(window_size) == 2
+          and all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) for w in window_size))
+    if not ok:
+        raise ValueError(f"window_size must be a pair of ints (left, right), -1 for unbounded; got {window_size!r}")
+    if min(window_size) < -1:
+        raise ValueError(f"window_size entries must be >= 0, or -1 for unbounded; got {tuple(window_size)}")
+    return int(window_size[0]), int(window_size[1])
+
+
+def _check_scale(softmax_scale, headdim):
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(headdim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float, np.floating, np.integer)):
+        raise TypeError(f"softmax_scale must be a number or None (1/sqrt(headdim)); got {type(softmax_scale).__name__}")
+    scale = float(softmax_scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"softmax_scale must be finite and positive; got {softmax_scale!r}")
+    return scale
+
+
+def inspect(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), names=("q", "k", "v")):
+    """Validate a call and describe it; ValueError/TypeError messages name the problem and what is accepted."""
+    nq, nk, nv = names
+    on_host = [isinstance(x, np.ndarray) for x in (q, k, v)]
+    on_device = [not h and _arrays.is_device_array(x) for h, x in zip(on_host, (q, k, v))]
+    if any(on_host) and any(on_device):
+        raise TypeError(f"{nq}, {nk}, {nv} mix host (NumPy) and device arrays; pass all three on the GPU")
+    ops = [_arrays.describe(x, n) for x, n in zip((q, k, v), names)]
+    ndims = [len(op.shape) for op in ops]
+    if not (all(n == 4 for n in ndims) or all(n == 2 for n in ndims)):
+        raise ValueError(f"{nq}, {nk}, {nv} must all be 4-D (batch, seqlen, nheads, headdim) or all 2-D "
+                         f"(seqlen, headdim); got ndim {ndims[0]}, {ndims[1]}, {ndims[2]}")
+    devices = [op.device for op in ops]
+    if len(set(devices)) > 1:
+        raise ValueError(f"{nq}, {nk}, {nv} are on different GPUs ({devices[0]}, {devices[1]}, {devices[2]}); "
+                         "put them on one device")
+    dtypes = [op.dtype for op in ops]
+    if len(set(dtypes)) > 1:
+        raise TypeError(f"{nq}, {nk}, {nv} must share one dtype; got {dtypes[0]}, {dtypes[1]}, {dtypes[2]}")
+    if dtypes[0] not in STORAGE:
+        raise TypeError(f"dtype {dtypes[0]} is not supported; use one of {', '.join(STORAGE)}")
+    single_head = ndims[0] == 2
+    if single_head:
+        ops = [_arrays.single_head_view(op, n) for op, n in zip(ops, names)]
+    (batch, seqlen_q, nheads, headdim), (kb, seqlen_k, nheads_kv, kd) = ops[0].shape, ops[1].shape
+    if ops[1].shape != ops[2].shape:
+        raise ValueError(f"{nk} and {nv} must have the same shape (batch, seqlen_k, nheads_kv, headdim); "
+                         f"got {ops[1].shape} and {ops[2].shape}")
+    if kb != batch:
+        raise ValueError(f"batch of {nq} ({batch}) and of {nk}, {nv} ({kb}) differ")
+    if kd != headdim:
+        raise ValueError(f"headdim of {nq} ({headdim}) and of {nk}, {nv} ({kd}) differ")
+    if 0 in (batch, seqlen_q, seqlen_k, nheads, nheads_kv):
+        raise ValueError(f"empty input: batch={batch}, seqlen_q={seqlen_q}, seqlen_k={seqlen_k}, nheads={nheads}, "
+                         f"nheads_kv={nheads_kv}; every size must be at least 1")
+    if nheads % nheads_kv:
+        raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_kv ({nheads_kv}) for grouped-query attention")
+    if not 1 <= headdim <= MAX_HEADDIM:
+        raise ValueError(f"headdim must be between 1 and {MAX_HEADDIM}; got {headdim}")
+    _check_flag(causal, "causal")
+    left, right = masks.normalize_window(causal, _check_window(window_size))
+    scale = _check_scale(softmax_scale, headdim)
+    return Call(*ops, batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, dtypes[0], scale, left, right, single_head)
+
+
+def _plan_for(call, backward, device=None):
+    return tiling.make_plan(call.batch, call.nheads, call.nheads_kv, call.seqlen_q, call.seqlen_k, call.headdim,
+                            call.dtype, backward=backward, device=device)
+
+
+def _check_plan(plan, call, direction):
+    expected = (direction, call.dtype, call.batch, call.nheads, call.nheads_kv, call.seqlen_q, call.seqlen_k, call.headdim)
+    got = (plan.direction, plan.dtype, plan.batch, plan.nheads, plan.nheads_kv, plan.seqlen_q, plan.seqlen_k, plan.headdim)
+    if got != expected:
+        raise ValueError(f"plan was made for (direction, dtype, batch, nheads, nheads_kv, seqlen_q, seqlen_k, "
+                         f"headdim) = {got}, not for this call's {expected}")
+    return plan
+
+
+def _device_context(call):
+    if SIMULATOR:
+        return contextlib.nullcontext()
+    from numba import cuda
+
+    return cuda.gpus[call.device]
+
+
+def plan(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), backward=False, device=None):
+    """The `tiling.Plan` that `attention` (or, with ``backward=True``, `attention_backward`) would run.
+
+    ``device`` (a `tiling.Device`) plans for another GPU than the current one.
+    """
+    call = inspect(q, k, v, causal, softmax_scale, window_size)
+    with _device_context(call):
+        return _plan_for(call, backward, device)
+
+
+def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False, plan=None):
+    """Exact softmax attention, computed tile by tile without writing the score matrix to memory.
+
+    Args:
+        q: ``(batch, seqlen_q, nheads, headdim)``, or ``(seqlen_q, headdim)`` for a single head.
+        k, v: ``(batch, seqlen_k, nheads_kv, headdim)`` (or ``(seqlen_k, headdim)``); nheads must be a
+            multiple of nheads_kv (GQA/MQA): query head h reads key/value head ``h // (nheads // nheads_kv)``.
+            Any strides are read in place (q, k, v sliced from a packed qkv tensor need no copy).
+            float16, bfloat16, float32 or float64, all the same; headdim from 1 to 256.
+        causal: bottom-right aligned causal mask (flash-attn >= 2.1 semantics, see `numbaflash.reference`).
+        softmax_scale: scale of QK^T before the softmax; default ``1 / sqrt(headdim)``.
+        window_size: ``(left, right)`` sliding window, -1 for unbounded; causal sets right = 0.
+        return_lse: also return the log-sum-exp of each row.
+        plan: a `plan(...)` for this call, to choose the kernel's blocks explicitly.
+
+    Returns:
+        out with q's shape and dtype; with ``return_lse``, also lse ``(batch, nheads, seqlen_q)`` (``(seqlen_q,)``
+        for a 2-D call), float32 (float64 for float64 inputs). A row that sees no key gets out = 0 and
+        lse = -inf. Outputs are arrays of q's library (CuPy, torch, NumPy on the simulator) on q's
+        device, computed on that library's current stream.
+    """
+    _check_flag(return_lse, "return_lse")
+    call = inspect(q, k, v, causal, softmax_scale, window_size)
+    with _device_context(call):
+        plan = _check_plan(plan, call, "forward") if plan is not None else _plan_for(call, backward=False)
+        out = _arrays.empty(call.q, (call.batch, call.seqlen_q, call.nheads, call.headdim), call.dtype)
+        lse = _arrays.empty(call.q, (call.batch, call.nheads, call.seqlen_q), call.lse_dtype)
+        run_forward(call, plan, _arrays.describe(out, "out"), _arrays.describe(lse, "lse"))
+    if call.single_head:
+        out, lse = out[0, :, 0, :], lse[0, 0, :]
+    return (out, lse) if return_lse else out
+
+
+def _scale_arg(call):
+    """softmax_scale * log2(e) in the accumulator type: the kernels work in base 2."""
+    return (np.float64 if call.dtype == "float64" else np.float32)(call.softmax_scale * LOG2E)
+
+
+BUILDERS = {
+    "simt_forward": simt_forward.build,
+    "simt_backward_preprocess": simt_backward.build_preprocess,
+    "simt_backward_dkdv": simt_backward.build_dkdv,
+    "simt_backward_dq": simt_backward.build_dq,
+}
+
+
+def _launch(plan, index, stream, *args):
+    launch = plan.launches[index]
+    kernel = compiled.kernel(BUILDERS[launch.kernel], plan.headdim_padded, plan.tiles, plan.dtype, launch.threads)
+    compiled.launch(kernel, launch.grid, launch.threads, launch.smem_bytes, stream, *args)
+
+
+def _vector_loads(*operands):
+    """Whether every operand's head dimension can be staged 4 elements per load (one flag per launch)."""
+    return all(op.vector_aligned() for op in operands)
+
+
+def run_forward(call, plan, out, lse):
+    """Launch the forward kernel of ``plan`` on validated operands (``out``, ``lse`` preallocated)."""
+    _launch(plan, 0, _arrays.stream_of(call.q), call.q.kernel_view(), call.k.kernel_view(), call.v.kernel_view(),
+            out.kernel_view(), lse.kernel_view(), _scale_arg(call), call.left, call.right,
+            _vector_loads(call.q, call.k, call.v))
+
+
+def run_backward(call, plan, dout, lse, out, delta, dq, dk, dv):
+    """Launch the three backward kernels of ``plan`` on one stream; ``delta`` is the O(N) workspace."""
+    stream = _arrays.stream_of(call.q)
+    q, k, v, do, lse_v, delta_v = (x.kernel_view() for x in (call.q, call.k, call.v, dout, lse, delta))
+    extra = (_scale_arg(call), call.left, call.right, _vector_loads(call.q, call.k, call.v, dout))
+    _launch(plan, 0, stream, out.kernel_view(), do, delta_v)
+    _launch(plan, 1, stream, q, k, v, do, lse_v, delta_v, dk.kernel_view(), dv.kernel_view(), *extra)
+    _launch(plan, 2, stream, q, k, v, do, lse_v, delta_v, dq.kernel_view(), *extra)
+
+
+def _check_like(op, want, name, like_name):
+    if op.shape != want.shape or op.dtype != want.dtype or op.kind != want.kind or op.device != want.device:
+        raise ValueError(f"{name} must match {like_name}: shape {want.shape}, dtype {want.dtype} on the same device; "
+                         f"got shape {op.shape}, dtype {op.dtype}")
+
+
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+                       plan=None):
+    """Gradients of `attention` by recomputation from the saved log-sum-exp; deterministic.
+
+    Args:
+        dout: gradient of the output, shaped like ``out``.
+        q, k, v, causal, softmax_scale, window_size: as passed to `attention`.
+        out, lse: `attention`'s outputs (``return_lse=True``).
+        plan: a ``plan(..., backward=True)`` for this call.
+
+    Returns:
+        ``(dq, dk, dv)`` with the shapes and dtypes of q, k, v. For GQA, dk and dv sum over the query
+        heads of each group. No atomics: repeated calls return bitwise identical gradients. Extra
+        memory: one float32 (float64 for float64) value per query row and head.
+    """
+    call = inspect(q, k, v, causal, softmax_scale, window_size)
+    if call.single_head:
+        ops = [_arrays.single_head_view(_arrays.describe(x, n), n) for x, n in ((dout, "dout"), (out, "out"))]
+        lse_op = _arrays.describe(lse[None, None, :] if len(getattr(lse, "shape", ())) == 1 else lse, "lse")
+    else:
+        ops = [_arrays.describe(x, n) for x, n in ((dout, "dout"), (out, "out"))]
+        lse_op = _arrays.describe(lse, "lse")
+    for op, name in zip(ops, ("dout", "out")):
+        _check_like(op, call.q, name, "q")
+    want_lse = (call.batch, call.nheads, call.seqlen_q)
+    if lse_op.shape != want_lse or lse_op.dtype != call.lse_dtype:
+        raise ValueError(f"lse must be attention's log-sum-exp: shape {want_lse} (({call.seqlen_q},) for a 2-D call), "
+                         f"dtype {call.lse_dtype}; got shape {lse_op.shape}, dtype {lse_op.dtype}")
+    with _device_context(call):
+        plan = _check_plan(plan, call, "backward") if plan is not None else _plan_for(call, backward=True)
+        dq = _arrays.empty(call.q, call.q.shape, call.dtype)
+        dk = _arrays.empty(call.q, call.k.shape, call.dtype)
+        dv = _arrays.empty(call.q, call.v.shape, call.dtype)
+        delta = _arrays.empty(call.q, want_lse, call.lse_dtype)
+        grads = [_arrays.describe(x, n) for x, n in ((dq, "dq"), (dk, "dk"), (dv, "dv"))]
+        run_backward(call, plan, ops[0], lse_op, ops[1], _arrays.describe(delta, "delta"), *grads)
+    if call.single_head:
+        return dq[0, :, 0, :], dk[0, :, 0, :], dv[0, :, 0, :]
+    return dq, dk, dv
+
+
+def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), backward=False):
+    """Which kernel runs for this call and why, its plan, and its HBM traffic as `sim` predicts it."""
+    import sim
+
+    the_plan = plan(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, backward=backward)
+    call = inspect(q, k, v, causal, softmax_scale, window_size)
+    sizes = dict(seqlen_k=call.seqlen_k, batch=call.batch, nheads=call.nheads, nheads_kv=call.nheads_kv,
+                 causal=causal, window_size=tuple(window_size), backward=backward, dtype_bytes=the_plan.dtype_bytes)
+    flash = sim.predict_io(call.seqlen_q, call.headdim, plan=the_plan, **sizes)
+    standard = sim.predict_io(call.seqlen_q, call.headdim, algorithm="standard", sram_bytes=the_plan.sram_bytes, **sizes)
+    mask = "causal" if causal else (f"window {tuple(window_size)}" if tuple(window_size) != (-1, -1) else "no mask")
+    heads = f"{call.nheads}" + (f" (GQA, {call.nheads_kv} kv heads)" if call.nheads_kv != call.nheads else "")
+    mb = lambda x: f"{x / 2**20:,.1f} MiB"
+    return "\n".join([
+        f"numbaflash.{'attention_backward' if backward else 'attention'}: batch {call.batch}, seqlen_q {call.seqlen_q}, "
+        f"seqlen_k {call.seqlen_k}, heads {heads}, headdim {call.headdim}, {call.dtype}, {mask}",
+        the_plan.describe(),
+        f"HBM traffic (sim closed form for this plan): {mb(flash['total_bytes'])} "
+        f"(reads {flash['reads']:,}, writes {flash['writes']:,} elements)",
+        f"standard attention (S and P through HBM):   {mb(standard['total_bytes'])}, "
+        f"{standard['total'] / flash['total']:.1f}x more",
+    ])

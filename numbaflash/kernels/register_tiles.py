@@ -1,0 +1,117 @@
+"""Building blocks of the CUDA-core kernels: staging tiles in shared memory, and register-tiled products.
+
+Every matrix product in the forward and backward kernels has one shape: a thread accumulates a small
+patch ``acc[i, j] += sum_k A[k][i] * B[k][j]`` where both operands sit in shared memory with the
+contraction index k outermost ("k-major"). A thread's A entries for one k are contiguous (its rows),
+so they come in one vector load; its B entries are ``N_GROUPS`` vectors of ``N_VEC`` elements spaced
+``N_STRIDE`` apart, so a quarter warp reads 128 contiguous bytes of a B row (no bank conflicts).
+
+The helpers are factories: their sizes are compile-time constants, and they are inlined into the
+kernels at the Numba IR level, so a patch is indexed by constants only and stays in registers.
+"""
+
+from .intrinsics import device_function, load2, load4
+
+
+
+@device_function
+def _load1(arr, index):
+    return (arr[index],)
+
+
+def patch(n):
+    """Device function returning ``arr[index : index + n]`` as a tuple: one vector load for n = 2 or 4."""
+    return {1: _load1, 2: load2, 4: load4}[n]
+
+
+def vector_width(count, acc_bytes):
+    """The widest vector (4, 2 or 1 elements, at most 16 bytes) that divides ``count``."""
+    for width in (4, 2):
+        if count % width == 0 and width * acc_bytes <= 16:
+            return width
+    return 1
+
+
+def outer_product(M_PER, N_VEC, N_GROUPS, N_STRIDE):
+    """``accumulate(acc, a, a_base, lda, b, b_base, ldb, depth)`` for an ``M_PER x (N_GROUPS*N_VEC)`` patch.
+
+    Row i of the patch is ``a[a_base + k*lda + i]``; column ``g*N_VEC + j`` is
+    ``b[b_base + k*ldb + g*N_STRIDE + j]``; k runs over ``depth``, a multiple of 4 (head dimensions are
+    padded to multiples of 32, blocks are multiples of 16).
+
+    Four k steps per loop iteration, written out: NVVM would not unroll a loop over them (the body is
+    past its threshold), and rolled, each k step spent as many instructions on 64-bit address
+    arithmetic and the loop counter as on FMAs. Written out, the addresses are base + constants.
+    """
+    load_a, load_b = patch(M_PER), patch(N_VEC)
+
+    @device_function
+    def step(acc, a, ia, b, ib):
+        av = load_a(a, ia)
+        for g in range(N_GROUPS):
+            bv = load_b(b, ib + g * N_STRIDE)
+            for i in range(M_PER):
+                for j in range(N_VEC):
+                    acc[i, g * N_VEC + j] += av[i] * bv[j]
+
+    @device_function
+    def accumulate(acc, a, a_base, lda, b, b_base, ldb, depth):
+        for k in range(0, depth, 4):
+            ia, ib = a_base + k * lda, b_base + k * ldb
+            step(acc, a, ia, b, ib)
+            step(acc, a, ia + lda, b, ib + ldb)
+            step(acc, a, ia + 2 * lda, b, ib + 2 * ldb)
+            step(acc, a, ia + 3 * lda, b, ib + 3 * ldb)
+
+    return accumulate
+
+
+def stagers(ROWS, D, THREADS, ZERO, to_acc):
+    """``(transposed, natural)`` device functions that copy ``ROWS`` rows of one head into shared memory.
+
+    ``transposed(dst, ld, src, b, row0, h, scale, tid, vec)`` writes
+    ``dst[kk*ld + i] = scale * src[b, row0+i, h, kk]`` (k-major, for products that contract over the
+    head dimension); ``natural`` writes ``dst[i*ld + kk]``. Rows past the sequence and columns past the
+    head dimension are zero. Consecutive threads take consecutive head-dimension elements, so the
+    global reads coalesce; with ``vec`` (the launch checked that the head dimension is contiguous, a
+    multiple of 4 and 16-byte aligned) each thread reads 4 elements in one vector load.
+    """
+
+    def stage(dst, ld, src, b, row0, h, scale, tid, vec, transpose):
+        if vec:
+            for e in range(tid, ROWS * D // 4, THREADS):
+                i = e // (D // 4)
+                kk = (e - i * (D // 4)) * 4
+                if row0 + i < src.shape[1] and kk < src.shape[3]:
+                    x = load4(src, (b, row0 + i, h, kk))
+                    for j in range(4):
+                        dst[(kk + j) * ld + i if transpose else i * ld + kk + j] = to_acc(x[j]) * scale
+                else:
+                    for j in range(4):
+                        dst[(kk + j) * ld + i if transpose else i * ld + kk + j] = ZERO
+        else:
+            for e in range(tid, ROWS * D, THREADS):
+                i = e // D
+                kk = e - i * D
+                x = ZERO
+                if row0 + i < src.shape[1] and kk < src.shape[3]:
+                    x = to_acc(src[b, row0 + i, h, kk]) * scale
+                dst[kk * ld + i if transpose else i * ld + kk] = x
+
+    def transposed(dst, ld, src, b, row0, h, scale, tid, vec):
+        stage(dst, ld, src, b, row0, h, scale, tid, vec, True)
+
+    def natural(dst, ld, src, b, row0, h, scale, tid, vec):
+        stage(dst, ld, src, b, row0, h, scale, tid, vec, False)
+
+    device_function(stage)
+    return device_function(transposed), device_function(natural)
+
+
+def fill(acc, rows, cols, value):
+    for i in range(rows):
+        for j in range(cols):
+            acc[i, j] = value
+
+
+fill = device_function(fill)

@@ -1,0 +1,276 @@
+"""Kernel v1 backward: FlashAttention-2's gradients on the CUDA cores, deterministic.
+
+Three launches, none with atomics, so repeated calls give bitwise identical gradients:
+
+1. ``preprocess``: D = rowsum(dO * O), one warp per query row.
+2. ``dkdv``: one block per (key block, kv head, batch element). K_j and V_j stay in shared memory; for
+   every query head of the group and every query block that sees these keys, the block recomputes
+   S^T = K Q^T and P^T = exp2(S^T - LSE) from the saved LSE, dP^T = V dO^T and dS^T = P^T (dP^T - D),
+   and accumulates dV_j += P^T dO and dK_j += dS^T Q in registers. GQA's sum over the group happens
+   in that loop, in a fixed order.
+3. ``dq``: one block per (query block, head, batch element); Q_i, dO_i, LSE_i and D_i stay put while the
+   visible key blocks stream past, recomputing P and dS, and dQ_i += dS K accumulates in registers.
+
+Passing dQ through its own pass costs a second S and dP per tile (seven tile products instead of five)
+but needs neither atomics nor an N x N or per-key-block dQ buffer: the extra memory is D, O(N).
+
+Products that contract over the head dimension read k-major (transposed) tiles; those that contract
+over rows read row-major ones. Rather than hold both layouts, each kernel stages the second layout
+into the same buffer once the first is consumed (one more tile read, mostly from L2). Q is staged
+pre-multiplied by softmax_scale * log2(e), so scores are base-2 logits; the final dK and dQ fold
+the scale back in.
+"""
+
+import math
+
+import numpy as np
+from numba import cuda, types
+from numba.cuda.np.numpy_support import from_dtype
+
+from .. import masks
+from . import elements
+from .intrinsics import group_sum
+from .register_tiles import fill, outer_product, stagers, vector_width
+
+PREPROCESS_ROWS = 8  # query rows per block of the preprocess kernel: one warp each
+LOG2E = math.log2(math.e)
+
+
+def _layout(sizes):
+    return tuple(sum(sizes[:i]) for i in range(len(sizes) + 1))
+
+
+def layout_dkdv(D, tiles):
+    """K^T, V^T (D x keys), the Q and dO buffers (D x queries, or queries x D), P and dS (queries x keys)."""
+    bk, bq = tiles.block_m, tiles.block_n
+    ldk, ldq, ldp = bk + 4, bq + 4, bk + 4
+    return (ldk, ldq, ldp), _layout((D * ldk, D * ldk, D * ldq, D * ldq, bq * ldp, bq * ldp))
+
+
+def layout_dq(D, tiles):
+    """Q^T, dO^T (D x queries), the K buffer (D x keys, or keys x D), V^T, and dS^T (keys x queries)."""
+    bm, bn = tiles.block_m, tiles.block_n
+    ldq, ldk, ldd = bm + 4, bn + 4, bm + 4
+    return (ldq, ldk, ldd), _layout((D * ldq, D * ldq, D * ldk, D * ldk, bn * ldd))
+
+
+def smem_elements_dkdv(D, tiles):
+    return layout_dkdv(D, tiles)[1][-1]
+
+
+def smem_elements_dq(D, tiles):
+    return layout_dq(D, tiles)[1][-1]
+
+
+def _signature(storage, n_outputs):
+    ACC = elements.codec(storage)[0]
+    storage_type = types.Array(from_dtype(elements.kernel_dtype(storage)), 4, "A")
+    stat_type = types.Array(ACC, 3, "A")
+    return ((storage_type,) * 4 + (stat_type, stat_type) + (storage_type,) * n_outputs
+            + (ACC, types.int64, types.int64, types.boolean))
+
+
+def build_preprocess(D, tiles, storage):
+    """D[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d], one warp per row (coalesced along d)."""
+    ACC, to_acc, _ = elements.codec(storage)
+    ZERO = ACC(0)
+    storage_type = types.Array(from_dtype(elements.kernel_dtype(storage)), 4, "A")
+    signature = (storage_type, storage_type, types.Array(ACC, 3, "A"))
+
+    def attention_backward_preprocess(out, dout, delta):
+        # out, dout: (batch, seqlen_q, nheads, headdim); delta: (batch, nheads, seqlen_q)
+        h, b = cuda.blockIdx.y, cuda.blockIdx.z
+        lane = cuda.threadIdx.x % 32
+        row = cuda.blockIdx.x * PREPROCESS_ROWS + cuda.threadIdx.x // 32
+        total = ZERO
+        if row < out.shape[1]:
+            for d in range(lane, out.shape[3], 32):
+                total += to_acc(out[b, row, h, d]) * to_acc(dout[b, row, h, d])
+        total = group_sum(total, 32)  # every lane of the warp takes part, in bounds or not
+        if row < out.shape[1] and lane == 0:
+            delta[b, h, row] = total
+
+    return attention_backward_preprocess, signature
+
+
+def build_dkdv(D, tiles, storage):
+    ACC, to_acc, from_acc = elements.codec(storage)
+    acc_bytes = np.dtype(str(ACC)).itemsize
+    BLOCK_K, BLOCK_Q, TK, TQ = tiles.block_m, tiles.block_n, tiles.thread_m, tiles.thread_n
+    COLS_T, THREADS = tiles.cols_t, tiles.threads
+    TD = D // COLS_T
+    VV = vector_width(TD, acc_bytes)
+    (LDK, LDQ, LDP), (K_AT, V_AT, Q_AT, DO_AT, P_AT, DS_AT, END) = layout_dkdv(D, tiles)
+    ZERO, ONE, INF, LN2, LOG2E_ = ACC(0), ACC(1), ACC(np.inf), ACC(math.log(2.0)), ACC(LOG2E)
+    stage_kv_t, _ = stagers(BLOCK_K, D, THREADS, ZERO, to_acc)
+    stage_q_t, stage_q_n = stagers(BLOCK_Q, D, THREADS, ZERO, to_acc)
+    scores_patch = outer_product(TK, TQ, 1, 0)  # S^T = K Q^T, dP^T = V dO^T over the head dimension
+    grad_patch = outer_product(TK, VV, TD // VV, COLS_T * VV)  # dV += P^T dO, dK += dS^T Q over the queries
+
+    def attention_backward_dkdv(q, k, v, dout, lse, delta, dk, dv, scale_log2, left, right, vec):
+        # q, dout: (batch, seqlen_q, nheads, headdim); k, v, dk, dv: (batch, seqlen_k, nheads_kv, headdim)
+        # lse, delta: (batch, nheads, seqlen_q)
+        seqlen_q, seqlen_k, headdim = q.shape[1], k.shape[1], q.shape[3]
+        group = q.shape[2] // k.shape[2]
+        hk, b = cuda.blockIdx.y, cuda.blockIdx.z
+        tid = cuda.threadIdx.x
+        r, c = tid // COLS_T, tid % COLS_T  # r: this thread's keys, c: its queries in each query tile
+        key_start = cuda.blockIdx.x * BLOCK_K
+        key_end = min(key_start + BLOCK_K, seqlen_k)
+        q_lo, q_hi = masks.query_range(key_start, key_end, seqlen_q, seqlen_k, left, right)
+
+        dk_acc = cuda.local.array((TK, TD), ACC)
+        dv_acc = cuda.local.array((TK, TD), ACC)
+        fill(dk_acc, TK, TD, ZERO)
+        fill(dv_acc, TK, TD, ZERO)
+
+        if q_lo < q_hi:  # block-uniform: no query sees these keys otherwise, and dK = dV = 0
+            smem = cuda.shared.array(0, ACC)
+            k_t = smem[K_AT:V_AT]  # (D, LDK): K^T
+            v_t = smem[V_AT:Q_AT]  # (D, LDK): V^T
+            q_buf = smem[Q_AT:DO_AT]  # Q^T (D, LDQ), then Q (BLOCK_Q, D); pre-scaled
+            do_buf = smem[DO_AT:P_AT]  # dO^T (D, LDQ), then dO (BLOCK_Q, D)
+            p_s = smem[P_AT:DS_AT]  # (BLOCK_Q, LDP): P, queries major
+            ds_s = smem[DS_AT:END]  # (BLOCK_Q, LDP): dS
+            stage_kv_t(k_t, LDK, k, b, key_start, hk, ONE, tid, vec)
+            stage_kv_t(v_t, LDK, v, b, key_start, hk, ONE, tid, vec)
+            s = cuda.local.array((TK, TQ), ACC)
+            dp = cuda.local.array((TK, TQ), ACC)
+            lse2 = cuda.local.array(TQ, ACC)
+            dsum = cuda.local.array(TQ, ACC)
+            for h in range(hk * group, (hk + 1) * group):
+                for q_start in range((q_lo // BLOCK_Q) * BLOCK_Q, q_hi, BLOCK_Q):
+                    q_end = min(q_start + BLOCK_Q, seqlen_q)
+                    cuda.syncthreads()  # the previous tile's products are done with every buffer
+                    stage_q_t(q_buf, LDQ, q, b, q_start, h, scale_log2, tid, vec)
+                    stage_q_t(do_buf, LDQ, dout, b, q_start, h, ONE, tid, vec)
+                    for bb in range(TQ):
+                        row = q_start + c * TQ + bb
+                        # Rows past the sequence, or that saw no key (LSE = -inf), get P = exp2(s - inf) = 0.
+                        lse2[bb] = INF
+                        dsum[bb] = ZERO
+                        if row < seqlen_q:
+                            if lse[b, h, row] != -INF:
+                                lse2[bb] = lse[b, h, row] * LOG2E_
+                            dsum[bb] = delta[b, h, row]
+                    cuda.syncthreads()  # Q^T and dO^T are complete
+
+                    fill(s, TK, TQ, ZERO)
+                    fill(dp, TK, TQ, ZERO)
+                    scores_patch(s, k_t, r * TK, LDK, q_buf, c * TQ, LDQ, D)
+                    scores_patch(dp, v_t, r * TK, LDK, do_buf, c * TQ, LDQ, D)
+                    full = masks.tile_is_full(q_start, q_end, key_start, key_start + BLOCK_K, seqlen_q, seqlen_k, left, right)
+                    for bb in range(TQ):
+                        lo_b, hi_b = masks.key_range(q_start + c * TQ + bb, seqlen_q, seqlen_k, left, right)
+                        for a in range(TK):
+                            key = key_start + r * TK + a
+                            p = ZERO
+                            if full or (key >= lo_b and key < hi_b):
+                                p = math.exp2(s[a, bb] - lse2[bb])
+                            p_s[(c * TQ + bb) * LDP + r * TK + a] = p
+                            ds_s[(c * TQ + bb) * LDP + r * TK + a] = p * (dp[a, bb] - dsum[bb])
+                    cuda.syncthreads()  # everyone is done with Q^T and dO^T; P and dS are complete
+                    stage_q_n(q_buf, D, q, b, q_start, h, scale_log2, tid, vec)
+                    stage_q_n(do_buf, D, dout, b, q_start, h, ONE, tid, vec)
+                    cuda.syncthreads()  # Q and dO, row-major, are complete
+                    grad_patch(dv_acc, p_s, r * TK, LDP, do_buf, c * VV, D, BLOCK_Q)
+                    grad_patch(dk_acc, ds_s, r * TK, LDP, q_buf, c * VV, D, BLOCK_Q)
+
+        # Q was pre-scaled by scale * log2(e): dK = scale dS^T Q = ln(2) dS^T (scale log2(e) Q).
+        for a in range(TK):
+            key = key_start + r * TK + a
+            if key < seqlen_k:
+                for g in range(TD // VV):
+                    for x in range(VV):
+                        col = g * COLS_T * VV + c * VV + x
+                        if col < headdim:
+                            dk[b, key, hk, col] = from_acc(dk_acc[a, g * VV + x] * LN2)
+                            dv[b, key, hk, col] = from_acc(dv_acc[a, g * VV + x])
+
+    return attention_backward_dkdv, _signature(storage, 2)
+
+
+def build_dq(D, tiles, storage):
+    ACC, to_acc, from_acc = elements.codec(storage)
+    acc_bytes = np.dtype(str(ACC)).itemsize
+    BLOCK_M, BLOCK_N, TM, TN = tiles.block_m, tiles.block_n, tiles.thread_m, tiles.thread_n
+    COLS_T, THREADS = tiles.cols_t, tiles.threads
+    TD = D // COLS_T
+    VV = vector_width(TD, acc_bytes)
+    (LDQ, LDK, LDD), (Q_AT, DO_AT, K_AT, V_AT, DS_AT, END) = layout_dq(D, tiles)
+    ZERO, ONE, INF, LN2, LOG2E_ = ACC(0), ACC(1), ACC(np.inf), ACC(math.log(2.0)), ACC(LOG2E)
+    stage_q_t, _ = stagers(BLOCK_M, D, THREADS, ZERO, to_acc)
+    stage_k_t, stage_k_n = stagers(BLOCK_N, D, THREADS, ZERO, to_acc)
+    scores_patch = outer_product(TM, TN, 1, 0)  # S = Q K^T, dP = dO V^T over the head dimension
+    grad_patch = outer_product(TM, VV, TD // VV, COLS_T * VV)  # dQ += dS K over the keys
+
+    def attention_backward_dq(q, k, v, dout, lse, delta, dq, scale_log2, left, right, vec):
+        # q, dout, dq: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim)
+        seqlen_q, seqlen_k, headdim = q.shape[1], k.shape[1], q.shape[3]
+        h, b = cuda.blockIdx.y, cuda.blockIdx.z
+        hk = h // (q.shape[2] // k.shape[2])
+        tid = cuda.threadIdx.x
+        r, c = tid // COLS_T, tid % COLS_T
+        row_start = cuda.blockIdx.x * BLOCK_M
+        row_end = min(row_start + BLOCK_M, seqlen_q)
+        lo, hi = masks.block_key_range(row_start, row_end, seqlen_q, seqlen_k, left, right)
+
+        dq_acc = cuda.local.array((TM, TD), ACC)
+        fill(dq_acc, TM, TD, ZERO)
+        if lo < hi:  # block-uniform: these rows see no key otherwise, and dQ = 0
+            smem = cuda.shared.array(0, ACC)
+            q_t = smem[Q_AT:DO_AT]  # (D, LDQ): Q^T, pre-scaled
+            do_t = smem[DO_AT:K_AT]  # (D, LDQ): dO^T
+            k_buf = smem[K_AT:V_AT]  # K^T (D, LDK), then K (BLOCK_N, D)
+            v_t = smem[V_AT:DS_AT]  # (D, LDK): V^T
+            ds_t = smem[DS_AT:END]  # (BLOCK_N, LDD): dS^T
+            stage_q_t(q_t, LDQ, q, b, row_start, h, scale_log2, tid, vec)
+            stage_q_t(do_t, LDQ, dout, b, row_start, h, ONE, tid, vec)
+            s = cuda.local.array((TM, TN), ACC)
+            dp = cuda.local.array((TM, TN), ACC)
+            lse2 = cuda.local.array(TM, ACC)
+            dsum = cuda.local.array(TM, ACC)
+            for a in range(TM):
+                row = row_start + r * TM + a
+                lse2[a] = INF
+                dsum[a] = ZERO
+                if row < seqlen_q:
+                    if lse[b, h, row] != -INF:
+                        lse2[a] = lse[b, h, row] * LOG2E_
+                    dsum[a] = delta[b, h, row]
+
+            for n_start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
+                cuda.syncthreads()  # the previous tile's dQ product is done with K; Q^T, dO^T complete
+                stage_k_t(k_buf, LDK, k, b, n_start, hk, ONE, tid, vec)
+                stage_k_t(v_t, LDK, v, b, n_start, hk, ONE, tid, vec)
+                cuda.syncthreads()  # K^T and V^T are complete
+
+                fill(s, TM, TN, ZERO)
+                fill(dp, TM, TN, ZERO)
+                scores_patch(s, q_t, r * TM, LDQ, k_buf, c * TN, LDK, D)
+                scores_patch(dp, do_t, r * TM, LDQ, v_t, c * TN, LDK, D)
+                full = masks.tile_is_full(row_start, row_end, n_start, n_start + BLOCK_N, seqlen_q, seqlen_k, left, right)
+                for a in range(TM):
+                    lo_a, hi_a = masks.key_range(row_start + r * TM + a, seqlen_q, seqlen_k, left, right)
+                    for bb in range(TN):
+                        key = n_start + c * TN + bb
+                        ds = ZERO
+                        if full or (key >= lo_a and key < hi_a):
+                            ds = math.exp2(s[a, bb] - lse2[a]) * (dp[a, bb] - dsum[a])
+                        ds_t[(c * TN + bb) * LDD + r * TM + a] = ds
+                cuda.syncthreads()  # everyone is done with K^T; dS^T is complete
+                stage_k_n(k_buf, D, k, b, n_start, hk, ONE, tid, vec)
+                cuda.syncthreads()  # K, row-major, is complete
+                grad_patch(dq_acc, ds_t, r * TM, LDD, k_buf, c * VV, D, BLOCK_N)
+
+        # dQ = scale dS K, and scale = scale_log2 * ln(2).
+        for a in range(TM):
+            row = row_start + r * TM + a
+            if row < seqlen_q:
+                for g in range(TD // VV):
+                    for x in range(VV):
+                        col = g * COLS_T * VV + c * VV + x
+                        if col < headdim:
+                            dq[b, row, h, col] = from_acc(dq_acc[a, g * VV + x] * (scale_log2 * LN2))
+
+    return attention_backward_dq, _signature(storage, 1)

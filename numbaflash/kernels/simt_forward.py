@@ -1,0 +1,154 @@
+"""Kernel v1: FlashAttention-2 forward on the CUDA cores, register-tiled, for every dtype.
+
+One thread block per (query block, head, batch element). The block stages its Q tile once, then streams
+K/V tiles through shared memory. Thread (r, c) owns rows ``r*TM + a`` and keys ``c*TN + b`` of every
+score tile and a ``TM x TD`` patch of the output, so the running max ``m_i``, the running sum ``l_i`` and
+the accumulator ``acc`` stay in registers for the whole key loop. Scores become probabilities in
+registers; P goes through shared memory only because P V needs each probability in the threads that
+own the matching output columns.
+
+Shared memory holds Q^T and K^T (k-major: one 16-byte load gives a thread TM query rows or TN keys of
+one head-dimension index), V as is, and P^T. Q is pre-multiplied by ``softmax_scale * log2(e)``, so
+the scores are base-2 logits and the softmax uses exp2, the hardware's native exponential.
+"""
+
+import math
+
+import numpy as np
+from numba import cuda, types
+from numba.cuda.np.numpy_support import from_dtype
+
+from .. import masks
+from . import elements
+from .intrinsics import group_max, group_sum
+from .register_tiles import fill, outer_product, stagers, vector_width
+
+
+def layout(D, tiles):
+    """Row lengths (elements) and offsets of the shared-memory arrays; rows padded by 4 (16 bytes)."""
+    bm, bn = tiles.block_m, tiles.block_n
+    ldq, ldk, ldv, ldp = bm + 4, bn + 4, D, bm + 4
+    sizes = (D * ldq, D * ldk, bn * ldv, bn * ldp)
+    offsets = tuple(sum(sizes[:i]) for i in range(5))
+    return (ldq, ldk, ldv, ldp), offsets
+
+
+def smem_elements(D, tiles):
+    return layout(D, tiles)[1][-1]
+
+
+def build(D, tiles, storage):
+    """The kernel for padded head dim ``D``, ``Tiles`` and a storage dtype name, and its signature.
+
+    Every size is a compile-time constant of the returned function; `kernels.compiled` compiles it.
+    """
+    ACC, to_acc, from_acc = elements.codec(storage)
+    acc_bytes = np.dtype(str(ACC)).itemsize
+    BLOCK_M, BLOCK_N, TM, TN = tiles.block_m, tiles.block_n, tiles.thread_m, tiles.thread_n
+    COLS_T, THREADS = tiles.cols_t, tiles.threads
+    TD = D // COLS_T  # output columns per thread
+    VV = vector_width(TD, acc_bytes)  # output columns per vector
+    (LDQ, LDK, LDV, LDP), (Q_AT, K_AT, V_AT, P_AT, END) = layout(D, tiles)
+    ZERO, ONE, NEG_INF, LN2 = ACC(0), ACC(1), ACC(-np.inf), ACC(math.log(2.0))
+    stage_q, _ = stagers(BLOCK_M, D, THREADS, ZERO, to_acc)
+    stage_k, stage_v = stagers(BLOCK_N, D, THREADS, ZERO, to_acc)
+    scores_patch = outer_product(TM, TN, 1, 0)  # S = Q K^T over the head dimension
+    output_patch = outer_product(TM, VV, TD // VV, COLS_T * VV)  # acc += P V over the keys
+
+    storage_type = types.Array(from_dtype(elements.kernel_dtype(storage)), 4, "A")
+    signature = (storage_type, storage_type, storage_type, storage_type, types.Array(ACC, 3, "A"), ACC,
+                 types.int64, types.int64, types.boolean)
+
+    def attention_forward(q, k, v, out, lse, scale_log2, left, right, vec):
+        # q, out: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim)
+        # lse: (batch, nheads, seqlen_q)
+        seqlen_q, seqlen_k, headdim = q.shape[1], k.shape[1], q.shape[3]
+        h, b = cuda.blockIdx.y, cuda.blockIdx.z
+        hk = h // (q.shape[2] // k.shape[2])
+        tid = cuda.threadIdx.x
+        r, c = tid // COLS_T, tid % COLS_T
+        row_start = cuda.blockIdx.x * BLOCK_M
+        row_end = min(row_start + BLOCK_M, seqlen_q)
+        lo, hi = masks.block_key_range(row_start, row_end, seqlen_q, seqlen_k, left, right)
+
+        if lo >= hi:  # the mask hides every key from these rows: O = 0, LSE = -inf, nothing loaded
+            for e in range(tid, (row_end - row_start) * headdim, THREADS):
+                i = e // headdim
+                out[b, row_start + i, h, e - i * headdim] = from_acc(ZERO)
+                if e - i * headdim == 0:
+                    lse[b, h, row_start + i] = NEG_INF
+            return
+
+        smem = cuda.shared.array(0, ACC)
+        q_t = smem[Q_AT:K_AT]  # (D, LDQ): Q^T, pre-scaled
+        k_t = smem[K_AT:V_AT]  # (D, LDK): K^T
+        v_s = smem[V_AT:P_AT]  # (BLOCK_N, LDV): V
+        p_t = smem[P_AT:END]  # (BLOCK_N, LDP): P^T
+        stage_q(q_t, LDQ, q, b, row_start, h, scale_log2, tid, vec)
+
+        m_i = cuda.local.array(TM, ACC)
+        l_i = cuda.local.array(TM, ACC)
+        acc = cuda.local.array((TM, TD), ACC)
+        s = cuda.local.array((TM, TN), ACC)
+        for a in range(TM):
+            m_i[a] = NEG_INF
+            l_i[a] = ZERO
+        fill(acc, TM, TD, ZERO)
+
+        for n_start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
+            # Everyone is done reading the previous K, V and P tiles (and the Q tile is complete).
+            cuda.syncthreads()
+            stage_k(k_t, LDK, k, b, n_start, hk, ONE, tid, vec)
+            stage_v(v_s, LDV, v, b, n_start, hk, ONE, tid, vec)
+            cuda.syncthreads()  # the K and V tiles are complete
+
+            fill(s, TM, TN, ZERO)
+            scores_patch(s, q_t, r * TM, LDQ, k_t, c * TN, LDK, D)
+
+            # Only tiles that straddle the mask edge or the end of the keys pay for per-element masking.
+            if not masks.tile_is_full(row_start, row_end, n_start, n_start + BLOCK_N, seqlen_q, seqlen_k, left, right):
+                for a in range(TM):
+                    lo_a, hi_a = masks.key_range(row_start + r * TM + a, seqlen_q, seqlen_k, left, right)
+                    for bb in range(TN):
+                        key = n_start + c * TN + bb
+                        if key < lo_a or key >= hi_a:
+                            s[a, bb] = NEG_INF
+
+            # Online softmax: the new row max, and a rescale of what was summed against the old one.
+            for a in range(TM):
+                row_max = s[a, 0]
+                for bb in range(1, TN):
+                    row_max = max(row_max, s[a, bb])
+                m_new = max(m_i[a], group_max(row_max, COLS_T))
+                # A row that has seen only hidden keys keeps m = -inf; exponentiate it against 0.
+                base = m_new if m_new != NEG_INF else ZERO
+                alpha = math.exp2(m_i[a] - base)
+                m_i[a] = m_new
+                row_sum = ZERO
+                for bb in range(TN):
+                    p = math.exp2(s[a, bb] - base)
+                    p_t[(c * TN + bb) * LDP + r * TM + a] = p
+                    row_sum += p
+                # l_i stays a per-thread partial sum; the row group adds its partials once, at the end.
+                l_i[a] = l_i[a] * alpha + row_sum
+                for x in range(TD):
+                    acc[a, x] *= alpha
+            cuda.syncthreads()  # P^T is complete
+
+            output_patch(acc, p_t, r * TM, LDP, v_s, c * VV, LDV, BLOCK_N)
+
+        # One normalization at the end; O and LSE written once.
+        for a in range(TM):
+            l_row = group_sum(l_i[a], COLS_T)
+            row = row_start + r * TM + a
+            if row < seqlen_q:
+                inv = ONE / l_row if l_row > ZERO else ZERO
+                for g in range(TD // VV):
+                    for x in range(VV):
+                        col = g * COLS_T * VV + c * VV + x
+                        if col < headdim:
+                            out[b, row, h, col] = from_acc(acc[a, g * VV + x] * inv)
+                if c == 0:
+                    lse[b, h, row] = (m_i[a] + math.log2(l_row)) * LN2 if l_row > ZERO else NEG_INF
+
+    return attention_forward, signature

@@ -1,0 +1,205 @@
+"""The tiling plan: which kernels run, with which blocks, grids, threads and shared memory.
+
+Computed in one place from the shapes, the dtype and the device, and used by the launches, by
+`numbaflash.explain` and by `sim.count_io(plan=...)`, so the simulator counts the schedule the GPU ran.
+"""
+
+from dataclasses import dataclass
+
+from .kernels.intrinsics import SIMULATOR
+
+
+@dataclass(frozen=True)
+class Device:
+    """What the plan needs to know about the GPU (or the simulator)."""
+
+    name: str
+    compute_capability: tuple
+    sm_count: int
+    smem_per_block: int  # bytes a block may use with the opt-in limit raised
+
+    @property
+    def simulator(self):
+        return self.compute_capability == (0, 0)
+
+
+SIMULATOR_DEVICE = Device("CUDA simulator", (0, 0), 1, 48 * 1024)
+
+
+def current_device():
+    if SIMULATOR:
+        return SIMULATOR_DEVICE
+    from numba import cuda
+
+    dev = cuda.get_current_device()
+    return Device(str(dev.name), tuple(dev.compute_capability), dev.MULTIPROCESSOR_COUNT,
+                  dev.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Register tiling of the CUDA-core kernels.
+
+    A block owns ``block_m`` rows (queries; keys in the dK/dV kernel) and streams ``block_n`` columns at a
+    time. Thread (r, c) computes a ``thread_m`` x ``thread_n`` patch of each score tile; the
+    ``block_n / thread_n`` threads of a row group sit in one warp, so row maxima and sums are shuffles.
+    """
+
+    block_m: int
+    block_n: int
+    thread_m: int
+    thread_n: int
+
+    @property
+    def cols_t(self):
+        return self.block_n // self.thread_n
+
+    @property
+    def threads(self):
+        return (self.block_m // self.thread_m) * self.cols_t
+
+    def thread_cols(self, D):
+        """Output columns a thread accumulates for head dimension D."""
+        return D // self.cols_t
+
+
+@dataclass(frozen=True)
+class Launch:
+    kernel: str
+    grid: tuple
+    threads: int
+    smem_bytes: int
+
+
+# Preferred tilings of the CUDA-core kernels, best first: the plan takes the first whose shared memory
+# fits the device and, in the forward, that keeps at most MAX_THREAD_COLS output columns per thread
+# (past that NVVM stops unrolling the forward's accumulator loops and the accumulator falls into local
+# memory: a 256-byte stack frame at 16 columns in the ptxas report, none at 8 or 12; the backward
+# kernels showed no stack frame at 16). 4x4 score patches do 16 FMAs per two 16-byte shared loads.
+MAX_THREAD_COLS = 12
+SIMT_TILES = {
+    ("forward", "float32"): (Tiles(64, 64, 4, 4), Tiles(32, 64, 2, 2), Tiles(32, 32, 2, 1)),
+    ("forward", "float64"): (Tiles(32, 32, 2, 2), Tiles(16, 32, 1, 1)),
+    # The backward's two passes share one square block (the schedule `sim` counts uses one B_r = B_c).
+    ("backward", "float32"): (Tiles(64, 64, 4, 4), Tiles(32, 32, 2, 2)),
+    ("backward", "float64"): (Tiles(32, 32, 2, 2), Tiles(16, 16, 1, 1)),
+}
+# The simulator runs one Python thread per CUDA thread: small blocks (64 threads) keep CI fast while
+# running the same kernel source, with its masking, tiling and shuffles.
+SIMULATOR_TILES = Tiles(16, 16, 2, 2)
+
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+def accumulator(dtype):
+    return "float64" if dtype == "float64" else "float32"
+
+
+def headdim_bucket(headdim):
+    """Compile-time head dimension of the CUDA-core kernels: the next multiple of 32."""
+    return 32 * -(-headdim // 32)
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything the launches need, and what `explain` and `sim` report.
+
+    ``sram_bytes`` is the on-chip working set of one thread block (shared memory plus the
+    register-resident accumulators, scores and row statistics): the SRAM `sim` gives the schedule
+    when it counts this plan. ``dq_strategy`` is the backward's: a dK/dV pass then a dQ pass.
+    """
+
+    kernel: str
+    reason: str
+    direction: str
+    dtype: str
+    device: str
+    batch: int
+    nheads: int
+    nheads_kv: int
+    seqlen_q: int
+    seqlen_k: int
+    headdim: int
+    headdim_padded: int
+    tiles: Tiles
+    launches: tuple
+    sram_bytes: int
+    dq_strategy: str = "separate"
+
+    @property
+    def block_m(self):
+        return self.tiles.block_m
+
+    @property
+    def block_n(self):
+        return self.tiles.block_n
+
+    @property
+    def dtype_bytes(self):
+        return DTYPE_BYTES[self.dtype]
+
+    def describe(self):
+        t = self.tiles
+        padded = f" padded to {self.headdim_padded}" if self.headdim_padded != self.headdim else ""
+        lines = [
+            f"kernel      {self.kernel} ({self.direction}, {self.dtype}) on {self.device}",
+            f"why         {self.reason}",
+            f"blocks      {t.block_m} x {t.block_n} tiles; headdim {self.headdim}{padded}; each thread owns a "
+            f"{t.thread_m} x {t.thread_n} patch of every score tile",
+        ]
+        for launch in self.launches:
+            lines.append(f"launch      {launch.kernel}: grid {launch.grid} x {launch.threads} threads, "
+                         f"{launch.smem_bytes / 1024:.1f} KiB shared memory")
+        return "\n".join(lines)
+
+
+def _choose(direction, acc, D, acc_bytes, device, smem_of):
+    if device.simulator:
+        return SIMULATOR_TILES
+    fitting = [t for t in SIMT_TILES[(direction, acc)] if max(smem_of(t)) * acc_bytes <= device.smem_per_block]
+    if not fitting:
+        raise ValueError(f"headdim {D} in {acc} needs more shared memory than {device.name} offers per block "
+                         f"({device.smem_per_block} bytes)")
+    if direction == "forward":
+        fitting = [t for t in fitting if t.thread_cols(D) <= MAX_THREAD_COLS] or fitting
+    return fitting[0]
+
+
+def make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward=False, device=None, tiles=None):
+    """The plan for these sizes on ``device`` (default: the current one). ``tiles`` overrides the blocks."""
+    from .kernels import simt_backward, simt_forward
+
+    device = current_device() if device is None else device
+    acc = accumulator(dtype)
+    acc_bytes = DTYPE_BYTES[acc]
+    D = headdim_bucket(headdim)
+    direction = "backward" if backward else "forward"
+    if backward:
+        smem_of = lambda t: (simt_backward.smem_elements_dkdv(D, t), simt_backward.smem_elements_dq(D, t))
+    else:
+        smem_of = lambda t: (simt_forward.smem_elements(D, t),)
+    tiles = tiles or _choose(direction, acc, D, acc_bytes, device, smem_of)
+    smem = [n * acc_bytes for n in smem_of(tiles)]
+    bm, bn = tiles.block_m, tiles.block_n
+    if backward:
+        launches = (
+            Launch("simt_backward_preprocess", (_cdiv(seqlen_q, simt_backward.PREPROCESS_ROWS), nheads, batch),
+                   32 * simt_backward.PREPROCESS_ROWS, 0),
+            Launch("simt_backward_dkdv", (_cdiv(seqlen_k, bm), nheads_kv, batch), tiles.threads, smem[0]),
+            Launch("simt_backward_dq", (_cdiv(seqlen_q, bm), nheads, batch), tiles.threads, smem[1]),
+        )
+        registers = acc_bytes * (2 * bm * D + 2 * bm * bn + 2 * bn)  # dK, dV or dQ accumulators, S and dP
+    else:
+        launches = (Launch("simt_forward", (_cdiv(seqlen_q, bm), nheads, batch), tiles.threads, smem[0]),)
+        registers = acc_bytes * (bm * D + bm * bn + 2 * bm)  # O accumulator, S, m and l
+    reason = (f"{dtype} runs on the CUDA cores, accumulating in {acc}"
+              + ("; the simulator plan uses small blocks" if device.simulator else ""))
+    return Plan(
+        kernel="simt_backward" if backward else "simt_forward", reason=reason, direction=direction, dtype=dtype,
+        device=device.name, batch=batch, nheads=nheads, nheads_kv=nheads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        headdim=headdim, headdim_padded=D, tiles=tiles, launches=launches, sram_bytes=max(smem) + registers,
+    )

@@ -1,0 +1,255 @@
+"""What the kernel tests share: problem strategies, inputs, the same-precision naive attention, and
+flash-attn's accuracy rule.
+
+The rule: against the float64 reference, the kernel's max error may be at most twice the max error of
+a naive implementation in the same precision, plus a floor:
+
+* outputs: one unit in the last place of the output dtype at the output's scale, for the trivial
+  cases where the naive result is exact (one key, say); eight for float64, where the naive
+  implementation is the float64 reference itself, so its error is zero and the rule would demand
+  the reference's exact rounding;
+* LSE: two float32 (float64) ulps of the largest LSE plus the largest sum of |scale * q_i * k_j| terms,
+  the rounding bound of one score's dot product. With one key per row the LSE *is* that dot product,
+  which NumPy's naive einsum sums more accurately than a GPU's sequential FMA chain, and the kernels'
+  base-2 exponentials add an ulp of the LSE where the float64 naive code repeats the reference's ops.
+"""
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+from hypothesis import strategies as st
+
+from numbaflash import reference
+
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+NP_DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float64": np.float64}
+WINDOWS = [(-1, -1), (-1, -1), (0, 0), (3, 2), (16, -1), (-1, 5), (7, 0)]
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads: int
+    nheads_kv: int
+    headdim: int
+    dtype: str
+    causal: bool = False
+    window_size: tuple = (-1, -1)
+    softmax_scale: float = None
+    logit_scale: float = 1.0  # multiplies the default softmax scale: large values give extreme logits
+    seed: int = 0
+
+    @property
+    def scale(self):
+        return self.logit_scale / np.sqrt(self.headdim) if self.softmax_scale is None else self.softmax_scale
+
+    @property
+    def mask(self):
+        return dict(causal=self.causal, window_size=self.window_size)
+
+
+@st.composite
+def cases(draw, max_seqlen=70, headdims=st.integers(1, 40), big_headdims=(64, 128, 256), dtypes=DTYPES,
+          max_batch=2, max_kv_heads=2, max_group=2):
+    """batch 1-2, heads 1-4 with GQA, seqlens 1-70; head dims 1-40 plus 64, 128, 256 at tiny seqlens."""
+    big = draw(st.booleans()) if big_headdims else False
+    headdim = draw(st.sampled_from(big_headdims)) if big else draw(headdims)
+    top = 16 if big else max_seqlen
+    nheads_kv = draw(st.integers(1, max_kv_heads))
+    dtype = draw(st.sampled_from(dtypes))
+    # Logits near +-1e4 stress the online softmax; fp16/bf16 naive scores would overflow there.
+    extreme = dtype in ("float32", "float64") and draw(st.integers(0, 4)) == 0
+    return Case(
+        batch=draw(st.integers(1, max_batch)), seqlen_q=draw(st.integers(1, top)), seqlen_k=draw(st.integers(1, top)),
+        nheads=nheads_kv * draw(st.integers(1, max_group)), nheads_kv=nheads_kv, headdim=headdim, dtype=dtype,
+        causal=draw(st.booleans()), window_size=draw(st.sampled_from(WINDOWS)),
+        logit_scale=1e4 / np.sqrt(headdim) if extreme else 1.0, seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def inputs(case, extra=()):
+    """q, k, v (and arrays of the shapes in ``extra``) as NumPy arrays of the case's dtype."""
+    rng = np.random.default_rng(case.seed)
+    dt = NP_DTYPES[case.dtype]
+    q = rng.standard_normal((case.batch, case.seqlen_q, case.nheads, case.headdim)).astype(dt)
+    k = rng.standard_normal((case.batch, case.seqlen_k, case.nheads_kv, case.headdim)).astype(dt)
+    v = rng.standard_normal((case.batch, case.seqlen_k, case.nheads_kv, case.headdim)).astype(dt)
+    return (q, k, v) + tuple(rng.standard_normal(shape).astype(dt) for shape in extra)
+
+
+def _round(x, dtype):
+    """Round float32/float64 results to the storage dtype, as a GPU GEMM writing ``dtype`` would."""
+    return np.asarray(x).astype(NP_DTYPES[dtype])
+
+
+def _compute_type(dtype):
+    return np.float64 if dtype == "float64" else np.float32
+
+
+def _t(x):
+    return x.transpose(0, 2, 1, 3)  # (batch, seqlen, heads, d) <-> (batch, heads, seqlen, d)
+
+
+def _bmm(a, b, form):
+    """Batched products through BLAS (np.einsum would not use it): the einsum named by ``form``.
+
+    "ij": (b,i,h,d),(b,j,h,d) -> (b,h,i,j); "pv": (b,h,i,j),(b,j,h,d) -> (b,i,h,d);
+    "tv": (b,h,i,j),(b,i,h,d) -> (b,j,h,d).
+    """
+    if form == "ij":
+        return _t(a) @ _t(b).swapaxes(-1, -2)
+    if form == "pv":
+        return _t(a @ _t(b))
+    return _t(a.swapaxes(-1, -2) @ _t(b))
+
+
+def naive_forward(q, k, v, case):
+    """Standard attention in the inputs' precision: S and P materialized in ``case.dtype``.
+
+    Like flash-attn's ``attention_ref(upcast=False)``: q is scaled in its dtype, matrix products
+    accumulate in float32 and round to the dtype, the softmax runs in float32 on the rounded scores.
+    """
+    ct = _compute_type(case.dtype)
+    group = case.nheads // case.nheads_kv
+    kh = np.repeat(k, group, axis=2).astype(ct)
+    vh = np.repeat(v, group, axis=2).astype(ct)
+    qs = _round(q.astype(ct) * ct(case.scale), case.dtype).astype(ct)
+    s = _round(_bmm(qs, kh, "ij"), case.dtype).astype(ct)
+    mask = reference.visible_mask(case.seqlen_q, case.seqlen_k, **case.mask)
+    s = np.where(mask, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0)
+    e = np.exp(s - m)
+    total = e.sum(axis=-1, keepdims=True)
+    p = _round(e / np.where(total > 0, total, 1), case.dtype).astype(ct)
+    out = _round(_bmm(p, vh, "pv"), case.dtype)
+    with np.errstate(divide="ignore"):
+        lse = (m + np.log(total))[..., 0].astype(ct)
+    return out, lse
+
+
+def reference_forward(q, k, v, case):
+    return reference.attention_forward(q, k, v, softmax_scale=case.scale, **case.mask)
+
+
+def errors(got, want):
+    """(max, mean) absolute error over the entries where the reference is finite."""
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    finite = np.isfinite(want)
+    diff = np.abs(got[finite] - want[finite])
+    return (float(diff.max(initial=0.0)), float(diff.mean()) if diff.size else 0.0)
+
+
+def eps(dtype):
+    return float(ml_dtypes.finfo(NP_DTYPES[dtype]).eps)
+
+
+def dot_product_scale(q, k, case):
+    """max over (i, j) of sum_d |scale * q_i * k_j|: what rounding in one score's dot product scales with."""
+    group = case.nheads // case.nheads_kv
+    qa = np.abs(q.astype(np.float64)) * case.scale
+    ka = np.abs(np.repeat(k, group, axis=2).astype(np.float64))
+    return float(_bmm(qa, ka, "ij").max(initial=0.0))
+
+
+def assert_close_as_flash_attn(name, got, naive, want, dtype, case, floor=None):
+    """flash-attn's rule; -inf entries (rows that see no key) must match exactly; NaN never passes."""
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    assert not np.isnan(got).any(), f"{name}: NaN in the kernel's result for {case}"
+    assert np.array_equal(np.isneginf(got), np.isneginf(want)), f"{name}: -inf entries differ for {case}"
+    kernel_max, kernel_mean = errors(got, want)
+    naive_max, naive_mean = errors(naive, want)
+    if floor is None:
+        ulps = 8 if dtype == "float64" else 1
+        floor = ulps * eps(dtype) * float(np.abs(want[np.isfinite(want)]).max(initial=0.0))
+    assert kernel_max <= 2 * naive_max + floor, (
+        f"{name}: kernel max error {kernel_max:.3e} (mean {kernel_mean:.3e}) exceeds 2 x naive {dtype} "
+        f"max error {naive_max:.3e} (mean {naive_mean:.3e}) + {floor:.1e} for {case}"
+    )
+
+
+def check_forward(case, attention, to_device, to_host):
+    """Run ``attention`` on ``case`` and hold its output and LSE to flash-attn's rule."""
+    q, k, v = inputs(case)
+    out, lse = attention(to_device(q), to_device(k), to_device(v), softmax_scale=case.scale, return_lse=True,
+                         **case.mask)
+    out, lse = to_host(out), to_host(lse)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (case.batch, case.nheads, case.seqlen_q)
+    assert lse.dtype == (np.float64 if case.dtype == "float64" else np.float32)
+    want_out, want_lse = reference_forward(q, k, v, case)
+    naive_out, naive_lse = naive_forward(q, k, v, case)
+    assert_close_as_flash_attn("out", out, naive_out, want_out, case.dtype, case)
+    lse_dtype = "float64" if case.dtype == "float64" else "float32"
+    assert_close_as_flash_attn("lse", lse, naive_lse, want_lse, lse_dtype, case,
+                               floor=2 * eps(lse_dtype) * (dot_product_scale(q, k, case)
+                                                           + float(np.abs(want_lse[np.isfinite(want_lse)]).max(initial=0.0))))
+
+
+
+def naive_backward(dout, q, k, v, case):
+    """The gradients of `naive_forward` in the same precision, as autograd through it would give them.
+
+    Each product accumulates in float32 and rounds to the dtype; the softmax backward
+    dS = P * (dP - rowsum(P * dP)) runs in float32 on rounded P and dP; GQA sums in float32.
+    """
+    ct = _compute_type(case.dtype)
+    group = case.nheads // case.nheads_kv
+    kh = np.repeat(k, group, axis=2).astype(ct)
+    vh = np.repeat(v, group, axis=2).astype(ct)
+    qs = _round(q.astype(ct) * ct(case.scale), case.dtype).astype(ct)
+    s = _round(_bmm(qs, kh, "ij"), case.dtype).astype(ct)
+    mask = reference.visible_mask(case.seqlen_q, case.seqlen_k, **case.mask)
+    s = np.where(mask, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    e = np.exp(s - np.where(np.isfinite(m), m, 0))
+    total = e.sum(axis=-1, keepdims=True)
+    p = _round(e / np.where(total > 0, total, 1), case.dtype).astype(ct)
+    do = dout.astype(ct)
+    dv_h = _round(_bmm(p, do, "tv"), case.dtype).astype(ct)
+    dp = _round(_bmm(do, vh, "ij"), case.dtype).astype(ct)
+    ds = _round(p * (dp - (p * dp).sum(axis=-1, keepdims=True)), case.dtype).astype(ct)
+    dqs = _round(_bmm(ds, kh, "pv"), case.dtype).astype(ct)
+    dq = _round(dqs * ct(case.scale), case.dtype)
+    dk_h = _round(_bmm(ds, qs, "tv"), case.dtype).astype(ct)
+    fold = lambda x: _round(x.reshape(case.batch, case.seqlen_k, case.nheads_kv, group, case.headdim).sum(axis=3),
+                            case.dtype)
+    return dq, fold(dk_h), fold(dv_h)
+
+
+def check_backward(case, attention, attention_backward, to_device, to_host):
+    """Run forward and backward on ``case`` and hold dq, dk, dv to flash-attn's rule."""
+    q, k, v, dout = inputs(case, extra=[(case.batch, case.seqlen_q, case.nheads, case.headdim)])
+    dev = [to_device(x) for x in (q, k, v, dout)]
+    out, lse = attention(*dev[:3], softmax_scale=case.scale, return_lse=True, **case.mask)
+    grads = attention_backward(dev[3], *dev[:3], out, lse, softmax_scale=case.scale, **case.mask)
+    want = reference.attention_backward(dout, q, k, v, softmax_scale=case.scale, **case.mask)
+    naive = naive_backward(dout, q, k, v, case)
+    for name, got, x, n, w in zip(("dq", "dk", "dv"), grads, (q, k, v), naive, want):
+        got = to_host(got)
+        assert got.shape == x.shape and got.dtype == x.dtype, f"{name}: {got.shape} {got.dtype}"
+        assert_close_as_flash_attn(name, got, n, w, case.dtype, case)
+
+
+@st.composite
+def gpu_cases(draw, max_rows=8192, dtypes=DTYPES):
+    """Real sizes for ``pytest -m gpu``: odd lengths up to ``max_rows``, head dims up to 256.
+
+    Past 2048 rows the batch and heads shrink to one, to keep the host-side float64 reference fast.
+    """
+    lengths = [n for n in (1, 17, 97, 257, 1025, 2048, 4096, 8192) if n <= max_rows]
+    seqlen_q = draw(st.sampled_from(lengths))
+    seqlen_k = draw(st.one_of(st.just(seqlen_q), st.sampled_from(lengths)))
+    small = max(seqlen_q, seqlen_k) <= 2048
+    nheads_kv = draw(st.integers(1, 2)) if small else 1
+    dtype = draw(st.sampled_from(dtypes))
+    headdim = draw(st.one_of(st.sampled_from([64, 128, 256]), st.integers(1, 256)))
+    return Case(
+        batch=draw(st.integers(1, 2)) if small else 1, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        nheads=nheads_kv * (draw(st.integers(1, 2)) if small else 1), nheads_kv=nheads_kv, headdim=headdim,
+        dtype=dtype, causal=draw(st.booleans()), window_size=draw(st.sampled_from(WINDOWS + [(256, 0), (1000, 100)])),
+        seed=draw(st.integers(0, 2**16)),
+    )

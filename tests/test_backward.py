@@ -1,0 +1,89 @@
+"""The backward kernels against the float64 reference, finite differences, and determinism."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+import numbaflash
+from cases import Case, cases, check_backward, gpu_cases, inputs
+from test_forward import HOPPER
+
+# Three launches per call on the simulator: half the examples of the forward property.
+FEWER = settings(max_examples=max(1, settings().max_examples // 2))
+
+
+@FEWER
+@given(case=cases())
+def test_backward_matches_reference(case, arrays, poisoned):
+    check_backward(case, numbaflash.attention, numbaflash.attention_backward, *arrays)
+
+
+@pytest.mark.parametrize("dtype,headdim", [("float16", 64), ("float64", 256)])
+def test_production_tilings_on_small_shapes(dtype, headdim, arrays, poisoned):
+    case = Case(1, 11, 19, 2, 1, headdim, dtype, causal=True, seed=4)
+    to_device, _ = arrays
+    q, k, v = (to_device(x) for x in inputs(case))
+    fwd = numbaflash.plan(q, k, v, causal=True, device=HOPPER)
+    bwd = numbaflash.plan(q, k, v, causal=True, device=HOPPER, backward=True)
+    assert bwd.tiles.threads >= 256
+    check_backward(case, lambda *a, **kw: numbaflash.attention(*a, plan=fwd, **kw),
+                   lambda *a, **kw: numbaflash.attention_backward(*a, plan=bwd, **kw), *arrays)
+
+
+@pytest.mark.parametrize("mask", [dict(causal=True), dict(window_size=(2, 1))])
+def test_float64_kernels_match_central_differences(mask, arrays):
+    """Directional derivatives of sum(dout * attention(q, k, v)) by central differences of the float64
+    forward kernel, along random directions, against <gradient, direction> from the backward kernels."""
+    to_device, to_host = arrays
+    case = Case(1, 6, 7, 2, 1, 5, "float64", seed=7, **mask)
+    q, k, v, dout = inputs(case, extra=[(1, 6, 2, 5)])
+    out, lse = numbaflash.attention(*(to_device(x) for x in (q, k, v)), return_lse=True, **mask)
+    grads = [to_host(g) for g in numbaflash.attention_backward(*(to_device(x) for x in (dout, q, k, v)), out, lse, **mask)]
+    loss = lambda *qkv: float(np.sum(dout * to_host(numbaflash.attention(*(to_device(x) for x in qkv), **mask))))
+    rng, eps = np.random.default_rng(8), 1e-6
+    for which, grad in enumerate(grads):
+        for _ in range(2):
+            direction = rng.standard_normal(grad.shape)
+            plus, minus = [q, k, v], [q, k, v]
+            plus[which], minus[which] = plus[which] + eps * direction, minus[which] - eps * direction
+            numeric = (loss(*plus) - loss(*minus)) / (2 * eps)
+            np.testing.assert_allclose(np.sum(grad * direction), numeric, rtol=1e-7, atol=1e-9)
+
+
+def test_gradients_are_bitwise_reproducible(arrays):
+    to_device, to_host = arrays
+    case = Case(1, 23, 17, 2, 1, 12, "float32", causal=True, seed=9)
+    q, k, v, dout = (to_device(x) for x in inputs(case, extra=[(1, 23, 2, 12)]))
+    out, lse = numbaflash.attention(q, k, v, causal=True, return_lse=True)
+    first = [to_host(g) for g in numbaflash.attention_backward(dout, q, k, v, out, lse, causal=True)]
+    again = [to_host(g) for g in numbaflash.attention_backward(dout, q, k, v, out, lse, causal=True)]
+    for a, b in zip(first, again):
+        assert a.tobytes() == b.tobytes()
+
+
+def test_backward_refuses_a_wrong_lse(arrays):
+    to_device, _ = arrays
+    q, k, v = (to_device(x) for x in inputs(Case(1, 8, 8, 2, 2, 16, "float32")))
+    out = numbaflash.attention(q, k, v)
+    with pytest.raises(ValueError, match=r"lse must be attention's log-sum-exp: shape \(1, 2, 8\)"):
+        numbaflash.attention_backward(out, q, k, v, out, out)
+
+
+@pytest.mark.gpu
+@FEWER
+@given(case=gpu_cases(max_rows=4096))
+def test_backward_matches_reference_at_real_sizes(case, arrays, poisoned):
+    check_backward(case, numbaflash.attention, numbaflash.attention_backward, *arrays)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_gradients_are_bitwise_reproducible_over_10_calls(dtype, arrays):
+    to_device, to_host = arrays
+    case = Case(2, 1025, 1025, 8, 2, 128, dtype, causal=True, seed=23)
+    q, k, v, dout = (to_device(x) for x in inputs(case, extra=[(2, 1025, 8, 128)]))
+    out, lse = numbaflash.attention(q, k, v, causal=True, return_lse=True)
+    first = [to_host(g).tobytes() for g in numbaflash.attention_backward(dout, q, k, v, out, lse, causal=True)]
+    for _ in range(9):
+        again = [to_host(g).tobytes() for g in numbaflash.attention_backward(dout, q, k, v, out, lse, causal=True)]
+        assert again == first

@@ -1,0 +1,133 @@
+"""The forward kernels against the float64 reference, under flash-attn's accuracy rule."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import numbaflash
+from cases import DTYPES, NP_DTYPES, Case, cases, check_forward, gpu_cases, inputs
+from numbaflash.tiling import Device
+
+# A Hopper GPU as the planner sees it: runs the production tilings on the simulator.
+HOPPER = Device("H100 (planned)", (9, 0), 132, 227 * 1024)
+
+
+@given(case=cases())
+def test_forward_matches_reference(case, arrays, poisoned):
+    check_forward(case, numbaflash.attention, *arrays)
+
+
+@pytest.mark.parametrize("dtype,headdim", [("float32", 64), ("bfloat16", 256), ("float64", 64), ("float64", 200)])
+def test_production_tilings_on_small_shapes(dtype, headdim, arrays, poisoned):
+    """The GPU's own block sizes (256-512 threads, 16-32 threads per row group), on the simulator."""
+    case = Case(1, 9, 21, 2, 1, headdim, dtype, causal=True, seed=3)
+    to_device, _ = arrays
+    q, k, v = (to_device(x) for x in inputs(case))
+    plan = numbaflash.plan(q, k, v, causal=True, device=HOPPER)
+    assert plan.tiles.threads >= 256
+    check_forward(case, lambda *a, **kw: numbaflash.attention(*a, plan=plan, **kw), *arrays)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_seed_blocks_1000_1001_1002_999_stay_finite(dtype, arrays, poisoned):
+    """Seed 001: logits [1000, 1001] then [1002, 999] in one row; the answer is softmax-weighted v."""
+    to_device, to_host = arrays
+    dt = NP_DTYPES[dtype]
+    q = np.ones((1, 1, 1, 1), dt)
+    k = np.array([1000, 1001, 1002, 999], dt).reshape(1, 4, 1, 1)
+    v = np.array([10, 20, 30, 40], dt).reshape(1, 4, 1, 1)
+    out, lse = numbaflash.attention(to_device(q), to_device(k), to_device(v), softmax_scale=1.0, return_lse=True)
+    logits = k.astype(np.float64).ravel()  # as stored: bfloat16 rounds 1001 and 1002 to multiples of 4
+    w = np.exp(logits - logits.max())
+    np.testing.assert_allclose(to_host(out).astype(np.float64).ravel(), [w @ [10, 20, 30, 40] / w.sum()], rtol=1e-2)
+    np.testing.assert_allclose(to_host(lse).ravel(), [logits.max() + np.log(w.sum())], rtol=1e-6)
+
+
+def test_qkv_sliced_from_a_packed_tensor_reads_strides_in_place(arrays):
+    to_device, to_host = arrays
+    rng = np.random.default_rng(0)
+    qkv = to_device(rng.standard_normal((2, 19, 3, 2, 8)).astype(np.float32))  # (batch, seqlen, 3, heads, d)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    assert not q.flags.c_contiguous
+    strided = to_host(numbaflash.attention(q, k, v, causal=True))
+    packed = to_host(numbaflash.attention(*(to_device(np.ascontiguousarray(to_host(x))) for x in (q, k, v)), causal=True))
+    np.testing.assert_array_equal(strided, packed)
+
+
+def test_two_dimensional_call_is_one_head(arrays):
+    to_device, to_host = arrays
+    case = Case(1, 13, 9, 1, 1, 16, "float32", seed=5)
+    q, k, v = inputs(case)
+    out, lse = numbaflash.attention(to_device(q[0, :, 0]), to_device(k[0, :, 0]), to_device(v[0, :, 0]),
+                                    return_lse=True)
+    want, want_lse = numbaflash.attention(to_device(q), to_device(k), to_device(v), return_lse=True)
+    assert to_host(out).shape == (13, 16) and to_host(lse).shape == (13,)
+    np.testing.assert_array_equal(to_host(out), to_host(want)[0, :, 0])
+    np.testing.assert_array_equal(to_host(lse), to_host(want_lse)[0, 0])
+
+
+def test_fully_masked_rows_give_zero_and_minus_inf(arrays, poisoned):
+    to_device, to_host = arrays
+    case = Case(1, 40, 6, 1, 1, 8, "float32", causal=True)
+    q, k, v = (to_device(x) for x in inputs(case))
+    out, lse = numbaflash.attention(q, k, v, causal=True, return_lse=True)
+    out, lse = to_host(out), to_host(lse)
+    assert np.all(out[0, :34] == 0) and np.all(np.isneginf(lse[0, 0, :34]))
+    assert np.all(np.isfinite(lse[0, 0, 34:]))
+
+
+def test_explain_names_the_kernel_and_the_traffic(arrays):
+    to_device, _ = arrays
+    q, k, v = (to_device(x) for x in inputs(Case(2, 64, 64, 4, 2, 32, "float16")))
+    text = numbaflash.explain(q, k, v, causal=True)
+    assert "simt_forward" in text and "standard attention" in text and "GQA" in text
+
+
+@pytest.mark.gpu
+@given(case=gpu_cases())
+def test_forward_matches_reference_at_real_sizes(case, arrays, poisoned):
+    check_forward(case, numbaflash.attention, *arrays)
+
+
+@pytest.mark.gpu
+def test_forward_is_bitwise_reproducible(arrays):
+    to_device, to_host = arrays
+    case = Case(2, 1025, 1025, 8, 2, 128, "float16", causal=True, seed=21)
+    q, k, v = (to_device(x) for x in inputs(case))
+    first = to_host(numbaflash.attention(q, k, v, causal=True))
+    for _ in range(9):
+        assert to_host(numbaflash.attention(q, k, v, causal=True)).tobytes() == first.tobytes()
+
+
+@pytest.mark.gpu
+def test_torch_tensors_and_numba_device_arrays_are_read_in_place():
+    torch = pytest.importorskip("torch")
+    from numba import cuda
+
+    case = Case(1, 97, 97, 2, 2, 64, "float32", seed=22)
+    q, k, v = inputs(case)
+    want = numbaflash.attention(*(torch.tensor(x, device="cuda") for x in (q, k, v)))
+    assert isinstance(want, torch.Tensor) and want.is_cuda
+    got = numbaflash.attention(*(cuda.to_device(x) for x in (q, k, v)))  # __cuda_array_interface__ only
+    np.testing.assert_array_equal(np.asarray(got.get() if hasattr(got, "get") else got.copy_to_host()),
+                                  want.cpu().numpy())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_production_kernels_keep_their_accumulators_in_registers(dtype):
+    """No local memory (spills or register arrays indexed at run time) in any kernel of the plans."""
+    from numba import cuda
+
+    from numbaflash import interface, tiling
+    from numbaflash.kernels import compiled
+
+    for headdim in (64, 128, 256):
+        for backward in (False, True):
+            plan = tiling.make_plan(1, 1, 1, 512, 512, headdim, dtype, backward=backward)
+            for launch in plan.launches:
+                kernel = compiled.kernel(interface.BUILDERS[launch.kernel], plan.headdim_padded, plan.tiles,
+                                         plan.dtype, launch.threads)
+                attrs = next(iter(kernel.overloads.values()))._codelibrary.get_cufunc().attrs
+                assert attrs.local == 0, f"{launch.kernel} {dtype} d={headdim}: {attrs.local} bytes of local memory"
+                assert attrs.regs * launch.threads <= cuda.get_current_device().MAX_REGISTERS_PER_BLOCK

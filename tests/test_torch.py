@@ -1,0 +1,46 @@
+"""numbaflash.torch: an autograd Function whose gradients gradcheck and the reference agree with."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from cases import Case, inputs  # noqa: E402
+from numbaflash import reference  # noqa: E402
+from numbaflash import torch as nf_torch  # noqa: E402
+
+
+@pytest.fixture
+def device(on_gpu):
+    return "cuda" if on_gpu else "cpu"
+
+
+@pytest.mark.parametrize("mask", [dict(causal=True), dict(window_size=(2, 1))])
+def test_gradcheck_float64(mask, device, on_gpu):
+    case = Case(1, 5, 6, 2, 1, 4, "float64", seed=11, **mask)
+    q, k, v = (torch.tensor(x, device=device, requires_grad=True) for x in inputs(case))
+    # Element by element on a GPU; by random projections on the simulator (its kernels run in Python).
+    assert torch.autograd.gradcheck(lambda *a: nf_torch.attention(*a, **mask), (q, k, v), eps=1e-6, atol=1e-8,
+                                    fast_mode=not on_gpu)
+
+
+def test_forward_and_backward_match_the_reference(device):
+    case = Case(2, 9, 13, 4, 2, 16, "float32", causal=True, seed=12)
+    arrays = inputs(case, extra=[(2, 9, 4, 16)])
+    q, k, v = (torch.tensor(x, device=device, requires_grad=True) for x in arrays[:3])
+    out = nf_torch.attention(q, k, v, causal=True)
+    out.backward(torch.tensor(arrays[3], device=device))
+    want_out, _ = reference.attention_forward(*arrays[:3], causal=True)
+    want_grads = reference.attention_backward(arrays[3], *arrays[:3], causal=True)
+    np.testing.assert_allclose(out.detach().cpu().numpy(), want_out, rtol=1e-4, atol=1e-5)
+    for got, want in zip((q.grad, k.grad, v.grad), want_grads):
+        np.testing.assert_allclose(got.cpu().numpy(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_bfloat16_tensors_round_trip(device):
+    case = Case(1, 7, 7, 1, 1, 8, "float32", seed=13)
+    q, k, v = (torch.tensor(x, device=device).to(torch.bfloat16) for x in inputs(case))
+    out = nf_torch.attention(q, k, v)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    want, _ = reference.attention_forward(*(x.float().cpu().numpy() for x in (q, k, v)))
+    np.testing.assert_allclose(out.float().cpu().numpy(), want, atol=2e-2)

@@ -1,0 +1,119 @@
+"""Every bad input is refused at the boundary with a TypeError or ValueError that names the problem."""
+
+import numpy as np
+import pytest
+
+import numbaflash
+from numbaflash import _arrays
+
+
+def qkv(q_shape=(1, 8, 2, 16), kv_shape=(1, 8, 2, 16), dtype=np.float32):
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal(q_shape).astype(dtype), rng.standard_normal(kv_shape).astype(dtype),
+            rng.standard_normal(kv_shape).astype(dtype))
+
+
+class FakeDeviceArray:
+    """Just enough of __cuda_array_interface__ to reach the checks (no kernel is launched)."""
+
+    def __init__(self, shape, ptr):
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": "<f4", "data": (ptr, False), "version": 3,
+                                         "strides": None}
+
+
+@pytest.mark.parametrize("shapes,message", [
+    (((1, 8, 16), (1, 8, 2, 16)), "must all be 4-D .* or all 2-D .*got ndim 3, 4, 4"),
+    (((1, 8, 2, 16, 1), (1, 8, 2, 16)), "got ndim 5, 4, 4"),
+    (((2, 8, 2, 16), (1, 8, 2, 16)), r"batch of q \(2\) and of k, v \(1\) differ"),
+    (((1, 8, 2, 16), (1, 8, 2, 32)), r"headdim of q \(16\) and of k, v \(32\) differ"),
+    (((1, 8, 3, 16), (1, 8, 2, 16)), r"nheads \(3\) must be a multiple of nheads_kv \(2\)"),
+    (((1, 8, 2, 300), (1, 8, 2, 300)), "headdim must be between 1 and 256; got 300"),
+    (((1, 8, 2, 0), (1, 8, 2, 0)), "headdim must be between 1 and 256; got 0"),
+    (((1, 0, 2, 16), (1, 8, 2, 16)), "empty input: .*seqlen_q=0"),
+    (((1, 8, 2, 16), (1, 0, 2, 16)), "empty input: .*seqlen_k=0"),
+    (((0, 8, 2, 16), (0, 8, 2, 16)), "empty input: batch=0"),
+])
+def test_bad_shapes(shapes, message):
+    q, k, v = qkv(*shapes)
+    with pytest.raises(ValueError, match=message):
+        numbaflash.attention(q, k, v)
+
+
+def test_k_and_v_of_different_seqlen():
+    q, k, _ = qkv()
+    with pytest.raises(ValueError, match=r"k and v must have the same shape .*\(1, 8, 2, 16\) and \(1, 9, 2, 16\)"):
+        numbaflash.attention(q, k, np.zeros((1, 9, 2, 16), np.float32))
+
+
+def test_mixed_dtypes():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="must share one dtype; got float32, float16, float32"):
+        numbaflash.attention(q, k.astype(np.float16), v)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.complex64, np.float128 if hasattr(np, "float128") else np.int8])
+def test_unsupported_dtype(dtype):
+    q, k, v = (x.astype(dtype) for x in qkv())
+    with pytest.raises(TypeError, match="is not supported; use one of float16, bfloat16, float32, float64"):
+        numbaflash.attention(q, k, v)
+
+
+def test_host_and_device_arrays_mixed():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="mix host .NumPy. and device arrays"):
+        numbaflash.attention(q, FakeDeviceArray(k.shape, 1024), v)
+
+
+def test_arrays_on_different_gpus(monkeypatch):
+    monkeypatch.setattr(_arrays, "_device_of", lambda ptr: ptr // 1024)
+    q, k, v = (FakeDeviceArray((1, 8, 2, 16), device * 1024) for device in (0, 1, 0))
+    with pytest.raises(ValueError, match=r"on different GPUs \(0, 1, 0\)"):
+        numbaflash.attention(q, k, v)
+
+
+def test_numpy_without_the_simulator_is_refused(monkeypatch):
+    monkeypatch.setattr(_arrays, "SIMULATOR", False)
+    with pytest.raises(TypeError, match="NumPy array, which lives in host memory: pass CuPy arrays or torch CUDA"):
+        numbaflash.attention(*qkv())
+
+
+def test_not_an_array():
+    with pytest.raises(TypeError, match="q must be a CuPy array, a torch CUDA tensor.* got builtins.list"):
+        numbaflash.attention([[1.0]], *qkv()[1:])
+
+
+@pytest.mark.parametrize("scale,error,message", [
+    (float("nan"), ValueError, "finite and positive; got nan"),
+    (float("inf"), ValueError, "finite and positive; got inf"),
+    (0.0, ValueError, "finite and positive; got 0.0"),
+    (-0.5, ValueError, "finite and positive; got -0.5"),
+    ("0.1", TypeError, "must be a number or None"),
+    (True, TypeError, "must be a number or None"),
+])
+def test_bad_softmax_scale(scale, error, message):
+    with pytest.raises(error, match=message):
+        numbaflash.attention(*qkv(), softmax_scale=scale)
+
+
+@pytest.mark.parametrize("window", [(1,), (1, 2, 3), (1.5, 2), "ab", None, (True, 0)])
+def test_malformed_window(window):
+    with pytest.raises(ValueError, match="window_size must be a pair of ints"):
+        numbaflash.attention(*qkv(), window_size=window)
+
+
+def test_window_below_minus_one():
+    with pytest.raises(ValueError, match=r"entries must be >= 0, or -1 for unbounded; got \(-2, 0\)"):
+        numbaflash.attention(*qkv(), window_size=(-2, 0))
+
+
+@pytest.mark.parametrize("flag", ["causal", "return_lse"])
+def test_flags_must_be_booleans(flag):
+    with pytest.raises(TypeError, match=f"{flag} must be True or False"):
+        numbaflash.attention(*qkv(), **{flag: 1})
+
+
+def test_plan_made_for_another_call():
+    q, k, v = qkv()
+    other = numbaflash.plan(*qkv(q_shape=(1, 9, 2, 16)))
+    with pytest.raises(ValueError, match="plan was made for"):
+        numbaflash.attention(q, k, v, plan=other)
