@@ -26,16 +26,17 @@ class Operand:
     device: int  # -1 on the host
     ptr: int
 
-    def vector_aligned(self):
-        """Whether 4 consecutive head-dim elements come in one aligned vector load (at most 16 bytes)."""
+    def vector_aligned(self, count):
+        """Whether ``count`` consecutive head-dim elements come in one aligned load of at most 16 bytes."""
         itemsize = kernel_dtype(self.dtype).itemsize
-        align = min(16, 4 * itemsize)
-        return (self.shape[-1] % 4 == 0 and self.strides[-1] == itemsize and self.ptr % align == 0
+        align = min(16, count * itemsize)
+        return (self.shape[-1] % count == 0 and self.strides[-1] == itemsize and self.ptr % align == 0
                 and all(s % align == 0 for s in self.strides[:-1]))
 
-    def kernel_view(self):
-        """The array a kernel takes: same memory and strides, bfloat16 reinterpreted as uint16."""
-        kdtype = kernel_dtype(self.dtype)
+    def kernel_view(self, raw_bits=False):
+        """The array a kernel takes: same memory and strides; bfloat16 (and with ``raw_bits`` float16 too)
+        reinterpreted as uint16."""
+        kdtype = np.dtype(np.uint16) if raw_bits else kernel_dtype(self.dtype)
         if self.kind == "numpy":
             # The simulator's device array wraps the NumPy view as is: no copy, strides kept, outputs
             # written in place (passing the bare array would copy it, and refuse it if strided).

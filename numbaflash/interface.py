@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _arrays, masks, tiling
-from .kernels import compiled, simt_backward, simt_forward
+from .kernels import compiled, mma_forward, simt_backward, simt_forward
 from .kernels.elements import STORAGE
 from .kernels.intrinsics import SIMULATOR
 
@@ -185,6 +185,7 @@ def _scale_arg(call):
 
 
 BUILDERS = {
+    "mma_forward": mma_forward.build,
     "simt_forward": simt_forward.build,
     "simt_backward_preprocess": simt_backward.build_preprocess,
     "simt_backward_dkdv": simt_backward.build_dkdv,
@@ -200,14 +201,20 @@ def _launch(plan, index, stream, *args):
 
 def _vector_loads(*operands):
     """Whether every operand's head dimension can be staged 4 elements per load (one flag per launch)."""
-    return all(op.vector_aligned() for op in operands)
+    return all(op.vector_aligned(4) for op in operands)
 
 
 def run_forward(call, plan, out, lse):
     """Launch the forward kernel of ``plan`` on validated operands (``out``, ``lse`` preallocated)."""
-    _launch(plan, 0, _arrays.stream_of(call.q), call.q.kernel_view(), call.k.kernel_view(), call.v.kernel_view(),
-            out.kernel_view(), lse.kernel_view(), _scale_arg(call), call.left, call.right,
-            _vector_loads(call.q, call.k, call.v))
+    if plan.kernel == "mma_forward":
+        # Tensor cores take 16-bit words; cp.async copies 16-byte chunks (8 elements).
+        views = [x.kernel_view(raw_bits=True) for x in (call.q, call.k, call.v, out)]
+        vec = all(op.vector_aligned(8) for op in (call.q, call.k, call.v))
+    else:
+        views = [x.kernel_view() for x in (call.q, call.k, call.v, out)]
+        vec = _vector_loads(call.q, call.k, call.v)
+    _launch(plan, 0, _arrays.stream_of(call.q), *views, lse.kernel_view(), _scale_arg(call), call.left, call.right,
+            vec)
 
 
 def run_backward(call, plan, dout, lse, out, delta, dq, dk, dv):

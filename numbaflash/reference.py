@@ -68,8 +68,8 @@ def _probabilities(s):
     return p, lse
 
 
-def _as_float64(*arrays):
-    return [np.asarray(a, dtype=np.float64) for a in arrays]
+def _as(precision, *arrays):
+    return [np.asarray(a, dtype=precision) for a in arrays]
 
 
 def _heads_first(x):
@@ -77,13 +77,13 @@ def _heads_first(x):
     return x.transpose(0, 2, 1, 3)
 
 
-def attention_probabilities(q, k, causal=False, softmax_scale=None, window_size=(-1, -1)):
-    """The attention matrix P ``(batch, nheads, seqlen_q, seqlen_k)`` in float64 (rows of zeros where no key is visible)."""
-    q, k = _as_float64(q, k)
+def attention_probabilities(q, k, causal=False, softmax_scale=None, window_size=(-1, -1), precision=np.float64):
+    """The attention matrix P ``(batch, nheads, seqlen_q, seqlen_k)`` (rows of zeros where no key is visible)."""
+    q, k = _as(precision, q, k)
     return _probabilities(_scores(q, k, softmax_scale, causal, window_size))[0]
 
 
-def attention_forward(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1)):
+def attention_forward(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), precision=np.float64):
     """Exact attention in float64.
 
     Args:
@@ -93,12 +93,14 @@ def attention_forward(q, k, v, causal=False, softmax_scale=None, window_size=(-1
         causal: bottom-right aligned causal mask (see the module docstring).
         softmax_scale: defaults to ``1 / sqrt(headdim)``.
         window_size: ``(left, right)``, -1 for unbounded.
+        precision: float64; ``np.longdouble`` (x86's 80-bit extended) makes a truth finer than float64
+            itself, to judge float64 kernels by.
 
     Returns:
-        out ``(batch, seqlen_q, nheads, headdim)`` float64 and lse ``(batch, nheads, seqlen_q)`` float64,
+        out ``(batch, seqlen_q, nheads, headdim)`` and lse ``(batch, nheads, seqlen_q)`` in ``precision``,
         the natural log of each row's softmax denominator (``-inf`` for a row that sees no key).
     """
-    q, k, v = _as_float64(q, k, v)
+    q, k, v = _as(precision, q, k, v)
     s = _scores(q, k, softmax_scale, causal, window_size)
     p, lse = _probabilities(s)  # p: (batch, nheads, seqlen_q, seqlen_k)
     v_per_q_head = np.repeat(v, q.shape[2] // v.shape[2], axis=2)
@@ -106,18 +108,18 @@ def attention_forward(q, k, v, causal=False, softmax_scale=None, window_size=(-1
     return out, lse
 
 
-def attention_backward(dout, q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1)):
+def attention_backward(dout, q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), precision=np.float64):
     """Gradients of `attention_forward`'s output in float64, by materializing P.
 
     Args:
         dout: ``(batch, seqlen_q, nheads, headdim)``, the gradient of the output.
-        q, k, v, causal, softmax_scale, window_size: as in `attention_forward`.
+        q, k, v, causal, softmax_scale, window_size, precision: as in `attention_forward`.
 
     Returns:
         dq ``(batch, seqlen_q, nheads, headdim)``, dk and dv ``(batch, seqlen_k, nheads_kv, headdim)``;
         for GQA, dk and dv sum the contributions of every query head in the group.
     """
-    dout, q, k, v = _as_float64(dout, q, k, v)
+    dout, q, k, v = _as(precision, dout, q, k, v)
     batch, seqlen_q, nheads, headdim = q.shape
     _, seqlen_k, nheads_kv, _ = k.shape
     group = nheads // nheads_kv

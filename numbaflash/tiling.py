@@ -64,6 +64,19 @@ class Tiles:
 
 
 @dataclass(frozen=True)
+class MmaTiles:
+    """Blocks of the tensor-core kernels: ``warps`` warps of 16 query rows each, ``block_n`` keys per tile."""
+
+    block_m: int
+    block_n: int
+    warps: int
+
+    @property
+    def threads(self):
+        return 32 * self.warps
+
+
+@dataclass(frozen=True)
 class Launch:
     kernel: str
     grid: tuple
@@ -78,15 +91,24 @@ class Launch:
 # kernels showed no stack frame at 16). 4x4 score patches do 16 FMAs per two 16-byte shared loads.
 MAX_THREAD_COLS = 12
 SIMT_TILES = {
-    ("forward", "float32"): (Tiles(64, 64, 4, 4), Tiles(32, 64, 2, 2), Tiles(32, 32, 2, 1)),
-    ("forward", "float64"): (Tiles(32, 32, 2, 2), Tiles(16, 32, 1, 1)),
+    # Last resort for GPUs with 64 KiB of shared memory per block (Turing): 16 x 16 tiles fit headdim 256.
+    ("forward", "float32"): (Tiles(64, 64, 4, 4), Tiles(32, 64, 2, 2), Tiles(32, 32, 2, 1), Tiles(16, 16, 1, 1)),
+    ("forward", "float64"): (Tiles(32, 32, 2, 2), Tiles(16, 32, 1, 1), Tiles(16, 16, 1, 1)),
     # The backward's two passes share one square block (the schedule `sim` counts uses one B_r = B_c).
     ("backward", "float32"): (Tiles(64, 64, 4, 4), Tiles(32, 32, 2, 2)),
     ("backward", "float64"): (Tiles(32, 32, 2, 2), Tiles(16, 16, 1, 1)),
 }
+# Head dims past which a tiling is not considered: float64 doubles every register, and on the H200 the
+# dQ kernel spilled 32 bytes at headdim 128 with 2x2 patches (launch bounds cap it at 255 registers).
+MAX_HEADDIM = {("backward", "float64", Tiles(32, 32, 2, 2)): 64}
 # The simulator runs one Python thread per CUDA thread: small blocks (64 threads) keep CI fast while
 # running the same kernel source, with its masking, tiling and shuffles.
 SIMULATOR_TILES = Tiles(16, 16, 2, 2)
+
+# Tensor-core forward: 4 warps x 16 rows, 64 keys per tile, for every head-dim bucket; one warp and
+# 16 keys on the simulator, where each warp-wide instruction is an exchange between 32 Python threads.
+MMA_TILES = MmaTiles(64, 64, 4)
+SIMULATOR_MMA_TILES = MmaTiles(16, 16, 1)
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
@@ -96,8 +118,23 @@ def accumulator(dtype):
 
 
 def headdim_bucket(headdim):
-    """Compile-time head dimension of the CUDA-core kernels: the next multiple of 32."""
-    return 32 * -(-headdim // 32)
+    """Compile-time head dimension of the CUDA-core kernels: 32, 64, 128 or 256, the first >= headdim.
+
+    Each bucket is a separate compile of every kernel (a few seconds each); four buckets keep a
+    process's compiles few, at the cost of padding (a headdim of 96 computes 128 columns).
+    """
+    return next(D for D in (32, 64, 128, 256) if headdim <= D)
+
+
+def mma_headdim_bucket(headdim):
+    """Head dimension the tensor-core kernels compile for: 64, 128 or 256, the first >= headdim."""
+    return next(D for D in (64, 128, 256) if headdim <= D)
+
+
+def uses_tensor_cores(dtype, device):
+    """float16 and bfloat16 run on the tensor cores from compute capability 8.0 (mma.sync m16n8k16 with
+    bfloat16 needs Ampere), and on the simulator, whose tensor cores are the intrinsics' emulations."""
+    return dtype in ("float16", "bfloat16") and (device.simulator or device.compute_capability >= (8, 0))
 
 
 def _cdiv(a, b):
@@ -145,11 +182,14 @@ class Plan:
     def describe(self):
         t = self.tiles
         padded = f" padded to {self.headdim_padded}" if self.headdim_padded != self.headdim else ""
+        if isinstance(t, MmaTiles):
+            owner = f"{t.warps} warps, each owning 16 query rows; mma.sync m16n8k16, float32 accumulators"
+        else:
+            owner = f"each thread owns a {t.thread_m} x {t.thread_n} patch of every score tile"
         lines = [
             f"kernel      {self.kernel} ({self.direction}, {self.dtype}) on {self.device}",
             f"why         {self.reason}",
-            f"blocks      {t.block_m} x {t.block_n} tiles; headdim {self.headdim}{padded}; each thread owns a "
-            f"{t.thread_m} x {t.thread_n} patch of every score tile",
+            f"blocks      {t.block_m} x {t.block_n} tiles; headdim {self.headdim}{padded}; {owner}",
         ]
         for launch in self.launches:
             lines.append(f"launch      {launch.kernel}: grid {launch.grid} x {launch.threads} threads, "
@@ -160,7 +200,8 @@ class Plan:
 def _choose(direction, acc, D, acc_bytes, device, smem_of):
     if device.simulator:
         return SIMULATOR_TILES
-    fitting = [t for t in SIMT_TILES[(direction, acc)] if max(smem_of(t)) * acc_bytes <= device.smem_per_block]
+    fitting = [t for t in SIMT_TILES[(direction, acc)] if max(smem_of(t)) * acc_bytes <= device.smem_per_block
+               and D <= MAX_HEADDIM.get((direction, acc, t), D)]
     if not fitting:
         raise ValueError(f"headdim {D} in {acc} needs more shared memory than {device.name} offers per block "
                          f"({device.smem_per_block} bytes)")
@@ -174,6 +215,8 @@ def make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, back
     from .kernels import simt_backward, simt_forward
 
     device = current_device() if device is None else device
+    if not backward and uses_tensor_cores(dtype, device) and (tiles is None or isinstance(tiles, MmaTiles)):
+        return _mma_forward_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, device, tiles)
     acc = accumulator(dtype)
     acc_bytes = DTYPE_BYTES[acc]
     D = headdim_bucket(headdim)
@@ -196,10 +239,40 @@ def make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, back
     else:
         launches = (Launch("simt_forward", (_cdiv(seqlen_q, bm), nheads, batch), tiles.threads, smem[0]),)
         registers = acc_bytes * (bm * D + bm * bn + 2 * bm)  # O accumulator, S, m and l
-    reason = (f"{dtype} runs on the CUDA cores, accumulating in {acc}"
+    if dtype in ("float16", "bfloat16") and backward:
+        why = f"the backward runs on the CUDA cores for every dtype (no tensor-core backward yet)"
+    elif dtype in ("float16", "bfloat16"):
+        why = (f"{dtype} needs compute capability 8.0 for the tensor-core kernel; {device.name} has "
+               f"{device.compute_capability[0]}.{device.compute_capability[1]}")
+    else:
+        why = f"{dtype} runs on the CUDA cores (the tensor-core kernel takes float16 and bfloat16)"
+    reason = (f"{why}; accumulates in {acc}, head dims padded to 32, 64, 128 or 256"
               + ("; the simulator plan uses small blocks" if device.simulator else ""))
     return Plan(
         kernel="simt_backward" if backward else "simt_forward", reason=reason, direction=direction, dtype=dtype,
         device=device.name, batch=batch, nheads=nheads, nheads_kv=nheads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         headdim=headdim, headdim_padded=D, tiles=tiles, launches=launches, sram_bytes=max(smem) + registers,
+    )
+
+
+def _mma_forward_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, device, tiles):
+    from .kernels import mma_forward
+
+    D = mma_headdim_bucket(headdim)
+    tiles = tiles or (SIMULATOR_MMA_TILES if device.simulator else MMA_TILES)
+    smem = 2 * mma_forward.smem_elements(D, tiles)
+    if smem > device.smem_per_block:
+        raise ValueError(f"the tensor-core forward needs {smem} bytes of shared memory at headdim {headdim}; "
+                         f"{device.name} offers {device.smem_per_block}")
+    registers = 4 * (tiles.block_m * D + tiles.block_m * tiles.block_n + 2 * tiles.block_m)
+    reason = (f"{dtype} on compute capability {device.compute_capability[0]}.{device.compute_capability[1]}: "
+              f"tensor cores, float32 accumulation; head dims padded to 64, 128 or 256"
+              + ("; on the simulator the mma, ldmatrix and cp.async intrinsics are emulated, one warp per block"
+                 if device.simulator else ""))
+    return Plan(
+        kernel="mma_forward", reason=reason, direction="forward", dtype=dtype, device=device.name, batch=batch,
+        nheads=nheads, nheads_kv=nheads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k, headdim=headdim, headdim_padded=D,
+        tiles=tiles, launches=(Launch("mma_forward", (_cdiv(seqlen_q, tiles.block_m), nheads, batch), tiles.threads,
+                                      smem),),
+        sram_bytes=smem + registers,
     )

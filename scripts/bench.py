@@ -8,7 +8,8 @@ TFLOP/s with ratios to each baseline. FLOPs: 4 * batch * nheads * seqlen^2 * hea
     python scripts/bench.py                       # the full grid: fp16, bf16, fp32; d 64, 128; N 512..16384
     python scripts/bench.py --quick               # a few cases
     python scripts/bench.py --memory-demo         # N = 131072, d = 128, one head: numbaflash vs naive
-    python scripts/bench.py --tilings             # the CUDA-core forward's candidate tilings, side by side
+    python scripts/bench.py --tilings             # each forward kernel's candidate tilings, side by side
+    python scripts/bench.py --memory              # also the peak extra memory of each forward call
 
 Writes bench.json and bench_tflops.png under --out.
 """
@@ -19,6 +20,7 @@ import math
 import os
 import statistics
 import sys
+import time
 
 import numpy as np
 
@@ -37,7 +39,7 @@ def flops(batch, nheads, seqlen, headdim, causal, backward=False):
     return 2.5 * f if backward else f
 
 
-def time_ms(fn, warmup=3, repeats=10):
+def time_ms(fn, warmup=2, repeats=7):
     torch = _torch()
     for _ in range(warmup):
         fn()
@@ -132,13 +134,14 @@ def check(dtype, q, k, v, dout, causal, out, grads):
     return rows
 
 
-def run_case(dtype, headdim, seqlen, causal, backward, tilings=None):
+def run_case(dtype, headdim, seqlen, causal, backward, tilings=None, memory=False):
     torch = _torch()
     import cupy
 
     import numbaflash
     from numbaflash import tiling
 
+    started = time.perf_counter()
     batch = max(1, TOKENS // seqlen)
     tdtype = getattr(torch, dtype)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -159,11 +162,12 @@ def run_case(dtype, headdim, seqlen, causal, backward, tilings=None):
     result["numbaflash"] = total / time_ms(fn) / 1e9
     result["plan"] = numbaflash.plan(q, k, v, causal=causal, backward=backward).kernel
     if tilings:
-        for tiles in tilings:
+        mma = result["plan"] == "mma_forward"
+        for tiles in (t for t in tilings if isinstance(t, tiling.MmaTiles) == mma):
             try:
                 p = tiling.make_plan(batch, NHEADS, NHEADS, seqlen, seqlen, headdim, dtype, tiles=tiles)
-                result[f"tiles {tiles.block_m}x{tiles.block_n}/{tiles.thread_m}x{tiles.thread_n}"] = \
-                    total / time_ms(lambda: numbaflash.attention(q, k, v, causal=causal, plan=p)) / 1e9
+                result[f"tiles {tiles}"] = total / time_ms(lambda: numbaflash.attention(q, k, v, causal=causal,
+                                                                                         plan=p)) / 1e9
             except Exception as err:  # a tiling that does not fit this device is reported, not fatal
                 print(f"  tiling {tiles}: {type(err).__name__}: {err}", file=sys.stderr)
 
@@ -183,12 +187,15 @@ def run_case(dtype, headdim, seqlen, causal, backward, tilings=None):
     if not backward:
         qc, kc, vc = (cupy.from_dlpack(x) for x in (qt, kt, vt))
         try:
-            result["naive_cupy"] = total / time_ms(lambda: naive_cupy(qc, kc, vc, causal), repeats=5) / 1e9
-            result["naive_peak_bytes"] = peak_extra_bytes(lambda: naive_cupy(qc, kc, vc, causal))
+            result["naive_cupy"] = total / time_ms(lambda: naive_cupy(qc, kc, vc, causal), repeats=3) / 1e9
+            if memory:
+                result["naive_peak_bytes"] = peak_extra_bytes(lambda: naive_cupy(qc, kc, vc, causal))
         except cupy.cuda.memory.OutOfMemoryError:
             result["naive_cupy"] = None
-        result["numbaflash_peak_bytes"] = peak_extra_bytes(lambda: numbaflash.attention(q, k, v, causal=causal))
+        if memory:
+            result["numbaflash_peak_bytes"] = peak_extra_bytes(lambda: numbaflash.attention(q, k, v, causal=causal))
         cupy.get_default_memory_pool().free_all_blocks()
+    result["seconds"] = time.perf_counter() - started
     return result
 
 
@@ -262,6 +269,7 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="N = 4096 only")
     parser.add_argument("--tilings", action="store_true", help="also time each CUDA-core forward tiling")
     parser.add_argument("--memory-demo", action="store_true")
+    parser.add_argument("--memory", action="store_true", help="measure the peak extra memory of forward calls")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
     if args.memory_demo:
@@ -277,8 +285,8 @@ def main(argv=None):
                 for n in seqlens:
                     for causal in causals:
                         tiles = candidates if (candidates and not backward) else None
-                        results.append(run_case(dtype, d, n, causal, backward, tiles))
-                        print(table(results[-1:]).splitlines()[-1], flush=True)
+                        results.append(run_case(dtype, d, n, causal, backward, tiles, args.memory))
+                        print(table(results[-1:]).splitlines()[-1], f"({results[-1]['seconds']:.0f} s)", flush=True)
     print()
     print(table(results))
     os.makedirs(args.out, exist_ok=True)
@@ -288,10 +296,11 @@ def main(argv=None):
 
 
 def simt_candidates():
-    """Tilings of the CUDA-core forward worth comparing (`numbaflash.tiling` explains the fields)."""
-    from numbaflash.tiling import Tiles
+    """Tilings of both forward kernels worth comparing (`numbaflash.tiling` explains the fields)."""
+    from numbaflash.tiling import MmaTiles, Tiles
 
-    return [Tiles(64, 64, 4, 4), Tiles(32, 64, 2, 2), Tiles(64, 32, 4, 2), Tiles(32, 32, 2, 2), Tiles(128, 64, 4, 4)]
+    return [Tiles(64, 64, 4, 4), Tiles(64, 32, 4, 2), Tiles(128, 64, 4, 4),
+            MmaTiles(64, 64, 4), MmaTiles(128, 64, 8), MmaTiles(128, 32, 8), MmaTiles(64, 32, 4)]
 
 
 if __name__ == "__main__":

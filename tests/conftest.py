@@ -22,6 +22,8 @@ QUIET = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.function
 settings.register_profile("ci", max_examples=12, deadline=None, derandomize=True, print_blob=True,
                           suppress_health_check=QUIET)
 settings.register_profile("gpu", max_examples=100, deadline=None, print_blob=True, suppress_health_check=QUIET)
+# For a GPU run on a device-time budget: pytest -m gpu --hypothesis-profile gpu-quick
+settings.register_profile("gpu-quick", max_examples=20, deadline=None, print_blob=True, suppress_health_check=QUIET)
 
 GPU_RUN = False
 
@@ -36,7 +38,8 @@ def pytest_configure(config):
         # The simulator's block manager busy-polls its threads; with Python's default 5 ms GIL switch
         # interval it starves them. 0.3 ms ran the kernel tests about 3x faster.
         sys.setswitchinterval(3e-4)
-    settings.load_profile("gpu" if GPU_RUN else "ci")
+    if not config.getoption("hypothesis_profile", None):
+        settings.load_profile("gpu" if GPU_RUN else "ci")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -8,8 +8,10 @@ import numbaflash
 from cases import DTYPES, NP_DTYPES, Case, cases, check_forward, gpu_cases, inputs
 from numbaflash.tiling import Device
 
-# A Hopper GPU as the planner sees it: runs the production tilings on the simulator.
+# GPUs as the planner sees them: their production tilings run on the simulator. Turing (7.5) has no
+# bfloat16 mma, so its float16 and bfloat16 take the CUDA-core kernels.
 HOPPER = Device("H100 (planned)", (9, 0), 132, 227 * 1024)
+TURING = Device("T4 (planned)", (7, 5), 40, 64 * 1024)
 
 
 @given(case=cases())
@@ -17,14 +19,18 @@ def test_forward_matches_reference(case, arrays, poisoned):
     check_forward(case, numbaflash.attention, *arrays)
 
 
-@pytest.mark.parametrize("dtype,headdim", [("float32", 64), ("bfloat16", 256), ("float64", 64), ("float64", 200)])
-def test_production_tilings_on_small_shapes(dtype, headdim, arrays, poisoned):
-    """The GPU's own block sizes (256-512 threads, 16-32 threads per row group), on the simulator."""
+@pytest.mark.parametrize("dtype,headdim,device,kernel", [
+    ("float32", 64, HOPPER, "simt_forward"), ("bfloat16", 256, TURING, "simt_forward"),
+    ("float64", 64, HOPPER, "simt_forward"), ("float64", 200, HOPPER, "simt_forward"),
+    ("float16", 40, HOPPER, "mma_forward"),
+])
+def test_production_tilings_on_small_shapes(dtype, headdim, device, kernel, arrays, poisoned):
+    """The GPUs' own block sizes (4 warps; 256-512 threads for the CUDA-core kernel), on the simulator."""
     case = Case(1, 9, 21, 2, 1, headdim, dtype, causal=True, seed=3)
     to_device, _ = arrays
     q, k, v = (to_device(x) for x in inputs(case))
-    plan = numbaflash.plan(q, k, v, causal=True, device=HOPPER)
-    assert plan.tiles.threads >= 256
+    plan = numbaflash.plan(q, k, v, causal=True, device=device)
+    assert plan.kernel == kernel and plan.tiles.threads >= 128
     check_forward(case, lambda *a, **kw: numbaflash.attention(*a, plan=plan, **kw), *arrays)
 
 
@@ -80,7 +86,7 @@ def test_explain_names_the_kernel_and_the_traffic(arrays):
     to_device, _ = arrays
     q, k, v = (to_device(x) for x in inputs(Case(2, 64, 64, 4, 2, 32, "float16")))
     text = numbaflash.explain(q, k, v, causal=True)
-    assert "simt_forward" in text and "standard attention" in text and "GQA" in text
+    assert "mma_forward" in text and "tensor cores" in text and "standard attention" in text and "GQA" in text
 
 
 @pytest.mark.gpu
@@ -131,3 +137,20 @@ def test_production_kernels_keep_their_accumulators_in_registers(dtype):
                 attrs = next(iter(kernel.overloads.values()))._codelibrary.get_cufunc().attrs
                 assert attrs.local == 0, f"{launch.kernel} {dtype} d={headdim}: {attrs.local} bytes of local memory"
                 assert attrs.regs * launch.threads <= cuda.get_current_device().MAX_REGISTERS_PER_BLOCK
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("headdim", [64, 128, 256])
+def test_tensor_core_forward_sass_has_hmma_and_no_local_memory(dtype, headdim):
+    from numbaflash import interface, tiling
+    from numbaflash.kernels import compiled
+
+    plan = tiling.make_plan(1, 1, 1, 512, 512, headdim, dtype)
+    assert plan.kernel == "mma_forward"
+    launch = plan.launches[0]
+    kernel = compiled.kernel(interface.BUILDERS[launch.kernel], plan.headdim_padded, plan.tiles, dtype, launch.threads)
+    sass = "\n".join(kernel.inspect_sass().values())
+    assert "HMMA" in sass
+    assert "LDL" not in sass and "STL" not in sass
+    assert "LDSM" in sass and "LDGSTS" in sass  # ldmatrix and cp.async made it through

@@ -5,7 +5,6 @@ constants, so each one is a separate compile, cached here for the life of the pr
 """
 
 import functools
-import warnings
 
 from numba import cuda
 
@@ -20,14 +19,7 @@ def kernel(build, D, tiles, storage, threads):
     fn, signature = build(D, tiles, storage)
     if SIMULATOR:
         return cuda.jit(signature)(fn)
-    from numba.cuda.core.errors import NumbaIRAssumptionWarning
-
-    with warnings.catch_warnings():
-        # Inlining our device functions at the Numba IR level trips an internal consistency check that
-        # numba itself calls pedantic ("variable ... is not in scope" after tuple unpacking); it is
-        # harmless, and users of numbaflash cannot act on it.
-        warnings.simplefilter("ignore", NumbaIRAssumptionWarning)
-        return cuda.jit(signature, launch_bounds=threads)(fn)
+    return cuda.jit(signature, launch_bounds=threads)(fn)
 
 
 _raised = set()

@@ -18,11 +18,25 @@ barrier, and each lane reads what the hardware would have routed to it.
 * ``store4(arr, i, values)``: the matching vector store.
 * ``float_bits(x)`` / ``bits_float(u)``: reinterpret float32 <-> uint32 (for bfloat16 conversion).
 
+Tensor cores (compute capability >= 8.0; register fragments as in the PTX ISA, lane = 4 g + t):
+
+* ``mma_f16(a0..a3, b0, b1, c0..c3)`` / ``mma_bf16``: ``mma.sync.m16n8k16.row.col.f32.{f16,bf16}``;
+  A (16 x 16) in four uint32 (rows g and g + 8, column pairs 2t and 2t + 8), B (16 x 8) in two (column
+  g, row pairs 2t and 2t + 8), C and D (16 x 8) in four float32 (rows g, g + 8; columns 2t, 2t + 1).
+* ``ldmatrix_x4(smem, i)`` / ``ldmatrix_x4_trans``: four 8 x 8 b16 matrices from a 1-D uint16 shared
+  array; lane ``l`` gives the row at element ``i`` of matrix ``l // 8``; ``.trans`` transposes each.
+* ``cp_async_16(smem, i, src, (b, row, h, col), nbytes)``: copy 16 bytes from a 4-D global array to
+  shared memory, without registers; ``nbytes = 0`` writes zeros. ``cp_async_commit()``,
+  ``cp_async_wait_all()`` and ``cp_async_wait_one()`` (all but the newest group landed).
+* ``pack_f16(lo, hi)`` / ``pack_bf16``: two float32 rounded to nearest into one f16x2 / bf16x2 word.
+* ``ex2(x)``: ``ex2.approx.ftz.f32``, 2^x.
+
 ``device_function(fn)`` makes a plain Python function callable from kernels and from other device
-functions: registered with numba as a CUDA overload of itself, inlined at the Numba IR level (so a
-register array a kernel passes in is still indexed by constants after inlining and stays in registers),
-on a GPU; left as is under the simulator (where kernels are Python too). Either way it returns ``fn``,
-which stays callable from Python.
+functions: registered with numba as a CUDA overload of itself on a GPU, left as is under the simulator
+(where kernels are Python too). Either way it returns ``fn``, which stays callable from Python. NVVM
+inlines these functions, and a register array a kernel passes in is then indexed by constants and
+stays in registers (ptxas reports no local memory). Inlining them at the Numba IR level instead
+re-typed every copy: 25-45 s to compile one kernel instead of 3.
 """
 
 import threading
@@ -38,7 +52,7 @@ def device_function(fn):
     if not SIMULATOR:
         from numba.cuda.extending import register_jitable
 
-        register_jitable(inline="always")(fn)
+        register_jitable(inline="never")(fn)
     return fn
 
 
@@ -115,6 +129,82 @@ if SIMULATOR:
 
     def bits_float(u):
         return np.array(u, dtype=np.uint32).view(np.float32)[()]
+
+    import ml_dtypes
+
+    def _halves(word, dtype):
+        """The two 16-bit values of a uint32 register, low half first, as float32."""
+        return np.array([word], dtype=np.uint32).view(dtype).astype(np.float32)
+
+    def _matrix(words, dtype, rows, cols, element):
+        """Assemble a warp's fragment registers into a matrix; ``element(lane, reg, half)`` -> (row, col)."""
+        m = np.zeros((rows, cols), dtype=np.float32)
+        for lane, regs in enumerate(words):
+            for reg, word in enumerate(regs):
+                for half, value in enumerate(_halves(word, dtype)):
+                    m[element(lane, reg, half)] = value
+        return m
+
+    def _mma(dtype, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        lanes, lane = _exchange(((a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3)))
+        a = _matrix([x[0] for x in lanes], dtype, 16, 16,
+                    lambda l, r, h: ((l >> 2) + 8 * (r & 1), 2 * (l & 3) + h + 8 * (r >> 1)))
+        b = _matrix([x[1] for x in lanes], dtype, 16, 8, lambda l, r, h: (2 * (l & 3) + h + 8 * r, l >> 2))
+        c = np.zeros((16, 8), dtype=np.float64)
+        for l, (_, _, regs) in enumerate(lanes):
+            for r, value in enumerate(regs):
+                c[(l >> 2) + 8 * (r >> 1), 2 * (l & 3) + (r & 1)] = value
+        # Products of 16-bit values are exact in float32; the sum is rounded once, to float32.
+        d = (a.astype(np.float64) @ b.astype(np.float64) + c).astype(np.float32)
+        g, t = lane >> 2, lane & 3
+        return d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1]
+
+    def mma_f16(*regs):
+        return _mma(np.float16, *regs)
+
+    def mma_bf16(*regs):
+        return _mma(ml_dtypes.bfloat16, *regs)
+
+    def _word(lo, hi):
+        return np.uint32(int(lo) | (int(hi) << 16))
+
+    def ldmatrix_x4(smem, i):
+        rows, lane = _exchange(int(i))
+        g, t = lane >> 2, lane & 3
+        return tuple(_word(smem[rows[8 * j + g] + 2 * t], smem[rows[8 * j + g] + 2 * t + 1]) for j in range(4))
+
+    def ldmatrix_x4_trans(smem, i):
+        rows, lane = _exchange(int(i))
+        g, t = lane >> 2, lane & 3
+        return tuple(_word(smem[rows[8 * j + 2 * t] + g], smem[rows[8 * j + 2 * t + 1] + g]) for j in range(4))
+
+    def cp_async_16(smem, i, src, index, nbytes):
+        # The copy completes at once: a legal schedule of an asynchronous copy (it may land any time
+        # before the wait), so the kernels' barriers and waits are what make it correct either way.
+        b, row, h, col = index
+        for x in range(8):
+            smem[i + x] = src[b, row, h, col + x] if nbytes else 0
+
+    def cp_async_commit():
+        pass
+
+    def cp_async_wait_all():
+        pass
+
+    def cp_async_wait_one():
+        pass
+
+    def _pack(lo, hi, dtype):
+        return np.array([lo, hi], dtype=np.float32).astype(dtype).view(np.uint32)[0]
+
+    def pack_f16(lo, hi):
+        return _pack(lo, hi, np.float16)
+
+    def pack_bf16(lo, hi):
+        return _pack(lo, hi, ml_dtypes.bfloat16)
+
+    def ex2(x):
+        return np.float32(np.exp2(np.float32(x)))
 
 else:
     from llvmlite import ir
@@ -196,6 +286,123 @@ else:
             size = 4 * context.get_abi_sizeof(element)
             builder.store(vec, builder.bitcast(ptr, vec.type.as_pointer()), align=min(size, 16))
             return context.get_dummy_value()
+
+        return sig, codegen
+
+    def _asm(builder, signature_types, ret, template, constraints, args, side_effect):
+        fnty = ir.FunctionType(ret, signature_types)
+        return builder.call(ir.InlineAsm(fnty, template, constraints, side_effect=side_effect), args)
+
+    def _mma(kind):
+        @intrinsic
+        def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+            u, f = types.uint32, types.float32
+            sig = types.UniTuple(f, 4)(u, u, u, u, u, u, f, f, f, f)
+
+            def codegen(context, builder, signature, args):
+                f32, i32 = ir.FloatType(), ir.IntType(32)
+                args = [context.cast(builder, v, t, want) for v, t, want in zip(args, signature.args, sig.args)]
+                res = _asm(builder, [i32] * 6 + [f32] * 4, ir.LiteralStructType([f32] * 4),
+                           f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 "
+                           "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
+                           "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", args, False)
+                return context.make_tuple(builder, signature.return_type, [builder.extract_value(res, i) for i in range(4)])
+
+            return sig, codegen
+
+        return mma
+
+    mma_f16 = _mma("f16")
+    mma_bf16 = _mma("bf16")
+
+    def _shared_address(context, builder, aryty, ary_value, index_value, index_type):
+        """A 32-bit shared-space address of an element (ldmatrix and cp.async take .shared addresses)."""
+        ptr = _element_pointer(context, builder, aryty, ary_value, index_value, index_type)
+        shared = builder.addrspacecast(ptr, ir.PointerType(ptr.type.pointee, 3))
+        return builder.ptrtoint(shared, ir.IntType(32))
+
+    def _ldmatrix(trans):
+        @intrinsic
+        def ldmatrix(typingctx, smem, i):
+            if not isinstance(smem, types.Array) or smem.ndim != 1:
+                return None
+            sig = types.UniTuple(types.uint32, 4)(smem, i)
+
+            def codegen(context, builder, signature, args):
+                i32 = ir.IntType(32)
+                address = _shared_address(context, builder, signature.args[0], args[0], args[1], signature.args[1])
+                res = _asm(builder, [i32], ir.LiteralStructType([i32] * 4),
+                           f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if trans else ''}.shared.b16 {{$0,$1,$2,$3}}, [$4];",
+                           "=r,=r,=r,=r,r,~{memory}", [address], True)
+                return context.make_tuple(builder, signature.return_type, [builder.extract_value(res, k) for k in range(4)])
+
+            return sig, codegen
+
+        return ldmatrix
+
+    ldmatrix_x4 = _ldmatrix(False)
+    ldmatrix_x4_trans = _ldmatrix(True)
+
+    @intrinsic
+    def cp_async_16(typingctx, smem, i, src, index, nbytes):
+        if not (isinstance(smem, types.Array) and isinstance(src, types.Array) and _indexes(src, index)):
+            return None
+        sig = types.void(smem, i, src, index, nbytes)
+
+        def codegen(context, builder, signature, args):
+            st, it, gt, xt, nt = signature.args
+            dst = _shared_address(context, builder, st, args[0], args[1], it)
+            ptr = _element_pointer(context, builder, gt, args[2], args[3], xt)
+            glob = builder.ptrtoint(builder.addrspacecast(ptr, ir.PointerType(ptr.type.pointee, 1)), ir.IntType(64))
+            size = context.cast(builder, args[4], nt, types.uint32)
+            _asm(builder, [ir.IntType(32), ir.IntType(64), ir.IntType(32)], ir.VoidType(),
+                 "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}", [dst, glob, size], True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    def _barrier_asm(template):
+        @intrinsic
+        def barrier(typingctx):
+            sig = types.void()
+
+            def codegen(context, builder, signature, args):
+                _asm(builder, [], ir.VoidType(), template, "~{memory}", [], True)
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        return barrier
+
+    cp_async_commit = _barrier_asm("cp.async.commit_group;")
+    cp_async_wait_all = _barrier_asm("cp.async.wait_group 0;")
+    cp_async_wait_one = _barrier_asm("cp.async.wait_group 1;")
+
+    def _pack(kind):
+        @intrinsic
+        def pack(typingctx, lo, hi):
+            sig = types.uint32(types.float32, types.float32)
+
+            def codegen(context, builder, signature, args):
+                lo_v, hi_v = (context.cast(builder, v, t, types.float32) for v, t in zip(args, signature.args))
+                # cvt.rn.{f16,bf16}x2.f32 d, a, b puts a in the upper half and b in the lower.
+                return _asm(builder, [ir.FloatType(), ir.FloatType()], ir.IntType(32),
+                            f"cvt.rn.{kind}x2.f32 $0, $1, $2;", "=r,f,f", [hi_v, lo_v], False)
+
+            return sig, codegen
+
+        return pack
+
+    pack_f16 = _pack("f16")
+    pack_bf16 = _pack("bf16")
+
+    @intrinsic
+    def ex2(typingctx, x):
+        sig = types.float32(types.float32)
+
+        def codegen(context, builder, signature, args):
+            return _asm(builder, [ir.FloatType()], ir.FloatType(), "ex2.approx.ftz.f32 $0, $1;", "=f,f",
+                        [context.cast(builder, args[0], signature.args[0], types.float32)], False)
 
         return sig, codegen
 

@@ -6,8 +6,8 @@ contraction index k outermost ("k-major"). A thread's A entries for one k are co
 so they come in one vector load; its B entries are ``N_GROUPS`` vectors of ``N_VEC`` elements spaced
 ``N_STRIDE`` apart, so a quarter warp reads 128 contiguous bytes of a B row (no bank conflicts).
 
-The helpers are factories: their sizes are compile-time constants, and they are inlined into the
-kernels at the Numba IR level, so a patch is indexed by constants only and stays in registers.
+The helpers are factories: their sizes are compile-time constants, so once NVVM inlines them into the
+kernels a patch is indexed by constants only and stays in registers.
 """
 
 from .intrinsics import device_function, load2, load4
@@ -114,4 +114,18 @@ def fill(acc, rows, cols, value):
             acc[i, j] = value
 
 
+def add_tile(acc, tile, rows, cols):
+    """acc += tile: the second level of a two-level sum.
+
+    Summing a long reduction (all keys of a row) into one float32 register lets its rounding error grow
+    with the sequence: at N = 4096 the output error was 4x naive attention's (NumPy emulation of the
+    kernel's order: 3.3e-7 vs 8.7e-8). Each tile's products go into a zeroed tile first and the tiles
+    are added here, which brought it back to 6.8e-8.
+    """
+    for i in range(rows):
+        for j in range(cols):
+            acc[i, j] += tile[i, j]
+
+
 fill = device_function(fill)
+add_tile = device_function(add_tile)

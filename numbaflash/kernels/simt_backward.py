@@ -30,7 +30,7 @@ from numba.cuda.np.numpy_support import from_dtype
 from .. import masks
 from . import elements
 from .intrinsics import group_sum
-from .register_tiles import fill, outer_product, stagers, vector_width
+from .register_tiles import add_tile, fill, outer_product, stagers, vector_width
 
 PREPROCESS_ROWS = 8  # query rows per block of the preprocess kernel: one warp each
 LOG2E = math.log2(math.e)
@@ -121,6 +121,7 @@ def build_dkdv(D, tiles, storage):
 
         dk_acc = cuda.local.array((TK, TD), ACC)
         dv_acc = cuda.local.array((TK, TD), ACC)
+        tile = cuda.local.array((TK, TD), ACC)  # one query tile's dV, then dK: a two-level sum
         fill(dk_acc, TK, TD, ZERO)
         fill(dv_acc, TK, TD, ZERO)
 
@@ -173,8 +174,12 @@ def build_dkdv(D, tiles, storage):
                     stage_q_n(q_buf, D, q, b, q_start, h, scale_log2, tid, vec)
                     stage_q_n(do_buf, D, dout, b, q_start, h, ONE, tid, vec)
                     cuda.syncthreads()  # Q and dO, row-major, are complete
-                    grad_patch(dv_acc, p_s, r * TK, LDP, do_buf, c * VV, D, BLOCK_Q)
-                    grad_patch(dk_acc, ds_s, r * TK, LDP, q_buf, c * VV, D, BLOCK_Q)
+                    fill(tile, TK, TD, ZERO)
+                    grad_patch(tile, p_s, r * TK, LDP, do_buf, c * VV, D, BLOCK_Q)
+                    add_tile(dv_acc, tile, TK, TD)
+                    fill(tile, TK, TD, ZERO)
+                    grad_patch(tile, ds_s, r * TK, LDP, q_buf, c * VV, D, BLOCK_Q)
+                    add_tile(dk_acc, tile, TK, TD)
 
         # Q was pre-scaled by scale * log2(e): dK = scale dS^T Q = ln(2) dS^T (scale log2(e) Q).
         for a in range(TK):
@@ -216,6 +221,7 @@ def build_dq(D, tiles, storage):
         lo, hi = masks.block_key_range(row_start, row_end, seqlen_q, seqlen_k, left, right)
 
         dq_acc = cuda.local.array((TM, TD), ACC)
+        tile = cuda.local.array((TM, TD), ACC)  # one key tile's dS K: a two-level sum
         fill(dq_acc, TM, TD, ZERO)
         if lo < hi:  # block-uniform: these rows see no key otherwise, and dQ = 0
             smem = cuda.shared.array(0, ACC)
@@ -261,7 +267,9 @@ def build_dq(D, tiles, storage):
                 cuda.syncthreads()  # everyone is done with K^T; dS^T is complete
                 stage_k_n(k_buf, D, k, b, n_start, hk, ONE, tid, vec)
                 cuda.syncthreads()  # K, row-major, is complete
-                grad_patch(dq_acc, ds_t, r * TM, LDD, k_buf, c * VV, D, BLOCK_N)
+                fill(tile, TM, TD, ZERO)
+                grad_patch(tile, ds_t, r * TM, LDD, k_buf, c * VV, D, BLOCK_N)
+                add_tile(dq_acc, tile, TM, TD)
 
         # dQ = scale dS K, and scale = scale_log2 * ln(2).
         for a in range(TM):

@@ -89,6 +89,8 @@ def build(D, tiles, storage):
         m_i = cuda.local.array(TM, ACC)
         l_i = cuda.local.array(TM, ACC)
         acc = cuda.local.array((TM, TD), ACC)
+        pv = cuda.local.array((TM, TD), ACC)  # this tile's P V, summed into acc once (see add_tile)
+        alpha_i = cuda.local.array(TM, ACC)
         s = cuda.local.array((TM, TN), ACC)
         for a in range(TM):
             m_i[a] = NEG_INF
@@ -122,7 +124,7 @@ def build(D, tiles, storage):
                 m_new = max(m_i[a], group_max(row_max, COLS_T))
                 # A row that has seen only hidden keys keeps m = -inf; exponentiate it against 0.
                 base = m_new if m_new != NEG_INF else ZERO
-                alpha = math.exp2(m_i[a] - base)
+                alpha_i[a] = math.exp2(m_i[a] - base)
                 m_i[a] = m_new
                 row_sum = ZERO
                 for bb in range(TN):
@@ -130,12 +132,15 @@ def build(D, tiles, storage):
                     p_t[(c * TN + bb) * LDP + r * TM + a] = p
                     row_sum += p
                 # l_i stays a per-thread partial sum; the row group adds its partials once, at the end.
-                l_i[a] = l_i[a] * alpha + row_sum
-                for x in range(TD):
-                    acc[a, x] *= alpha
+                l_i[a] = l_i[a] * alpha_i[a] + row_sum
             cuda.syncthreads()  # P^T is complete
 
-            output_patch(acc, p_t, r * TM, LDP, v_s, c * VV, LDV, BLOCK_N)
+            fill(pv, TM, TD, ZERO)
+            output_patch(pv, p_t, r * TM, LDP, v_s, c * VV, LDV, BLOCK_N)
+            # Rescale what was accumulated against the old max, and add this tile (a two-level sum).
+            for a in range(TM):
+                for x in range(TD):
+                    acc[a, x] = acc[a, x] * alpha_i[a] + pv[a, x]
 
         # One normalization at the end; O and LSE written once.
         for a in range(TM):
