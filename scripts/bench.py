@@ -287,12 +287,19 @@ def main(argv=None):
                         tiles = candidates if (candidates and not backward) else None
                         results.append(run_case(dtype, d, n, causal, backward, tiles, args.memory))
                         print(table(results[-1:]).splitlines()[-1], f"({results[-1]['seconds']:.0f} s)", flush=True)
+                        variants = {k[6:]: round(v, 1) for k, v in results[-1].items() if k.startswith("tiles ")}
+                        if variants:
+                            print("   tilings:", variants, flush=True)
+                        save(results, args.out)  # after every case: a run cut short still leaves its numbers
     print()
     print(table(results))
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench.json"), "w") as f:
-        json.dump(results, f, indent=1, default=str)
     plot(results, os.path.join(args.out, "bench_tflops.png"))
+
+
+def save(results, out):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "bench.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
 
 
 def simt_candidates():

@@ -232,10 +232,14 @@ def check_backward(case, attention, attention_backward, to_device, to_host):
     grads = attention_backward(dev[3], *dev[:3], out, lse, softmax_scale=case.scale, **case.mask)
     want = reference.attention_backward(dout, q, k, v, softmax_scale=case.scale, precision=truth(case), **case.mask)
     naive = naive_backward(dout, q, k, v, case)
+    # One ulp at the gradients' common scale: with a single key dq and dk are exactly zero, naive
+    # attention gets exact zeros, and the kernel's D = rowsum(dO * O) and dP = dO V^T, summed in
+    # different orders, leave a residue far below the gradients' resolution.
+    floor = eps(case.dtype) * max(float(np.abs(w).max(initial=0.0)) for w in want)
     for name, got, x, n, w in zip(("dq", "dk", "dv"), grads, (q, k, v), naive, want):
         got = to_host(got)
         assert got.shape == x.shape and got.dtype == x.dtype, f"{name}: {got.shape} {got.dtype}"
-        assert_close_as_flash_attn(name, got, n, w, case.dtype, case)
+        assert_close_as_flash_attn(name, got, n, w, case.dtype, case, floor=floor)
 
 
 @st.composite
@@ -244,12 +248,13 @@ def gpu_cases(draw, max_rows=8192, dtypes=DTYPES):
 
     Past 2048 rows the batch and heads shrink to one, to keep the host-side float64 reference fast.
     """
-    lengths = [n for n in (1, 17, 97, 257, 1025, 2048, 4096, 8192) if n <= max_rows]
+    dtype = draw(st.sampled_from(dtypes))
+    # float64's truth is extended precision, which NumPy multiplies without BLAS: keep it to 1025 rows.
+    lengths = [n for n in (1, 17, 97, 257, 1025, 2048, 4096, 8192) if n <= (max_rows if dtype != "float64" else 1025)]
     seqlen_q = draw(st.sampled_from(lengths))
     seqlen_k = draw(st.one_of(st.just(seqlen_q), st.sampled_from(lengths)))
     small = max(seqlen_q, seqlen_k) <= 2048
     nheads_kv = draw(st.integers(1, 2)) if small else 1
-    dtype = draw(st.sampled_from(dtypes))
     headdim = draw(st.one_of(st.sampled_from([64, 128, 256]), st.integers(1, 256)))
     return Case(
         batch=draw(st.integers(1, 2)) if small else 1, seqlen_q=seqlen_q, seqlen_k=seqlen_k,

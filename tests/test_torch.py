@@ -10,9 +10,12 @@ from numbaflash import reference  # noqa: E402
 from numbaflash import torch as nf_torch  # noqa: E402
 
 
-@pytest.fixture
-def device(on_gpu):
-    return "cuda" if on_gpu else "cpu"
+@pytest.fixture(params=[pytest.param("cpu", id="simulator"), pytest.param("cuda", id="gpu", marks=pytest.mark.gpu)])
+def device(request, on_gpu):
+    """CPU tensors on the simulator, CUDA tensors under ``pytest -m gpu``: the same tests in both modes."""
+    if (request.param == "cuda") != on_gpu:
+        pytest.skip("runs in the other mode")
+    return request.param
 
 
 @pytest.mark.parametrize("mask", [dict(causal=True), dict(window_size=(2, 1))])

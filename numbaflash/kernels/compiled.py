@@ -15,11 +15,17 @@ STATIC_SMEM_LIMIT = 48 * 1024  # bytes a kernel may use before its dynamic limit
 
 @functools.lru_cache(maxsize=None)
 def kernel(build, D, tiles, storage, threads):
-    """The compiled kernel ``build(D, tiles, storage)`` returns, bounded to ``threads`` per block."""
+    """The compiled kernel ``build(D, tiles, storage)`` returns, for blocks of ``threads`` threads.
+
+    Blocks of more than 256 threads get launch bounds, which cap ptxas at 65536 / threads registers so
+    the block can launch at all. Smaller blocks get none: under a bound of 256 the H200's JIT capped
+    kernels at 128 registers and spilled (8 to 32 bytes of local memory); ptxas's own limit of 255
+    registers already lets a 256-thread block launch.
+    """
     fn, signature = build(D, tiles, storage)
     if SIMULATOR:
         return cuda.jit(signature)(fn)
-    return cuda.jit(signature, launch_bounds=threads)(fn)
+    return cuda.jit(signature, launch_bounds=threads if threads > 256 else None)(fn)
 
 
 _raised = set()
