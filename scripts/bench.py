@@ -185,13 +185,15 @@ def run_case(dtype, headdim, seqlen, causal, backward, tilings=None, memory=Fals
             result[f"sdpa_{backend}"] = None
             print(f"  sdpa {backend} {dtype} d={headdim} N={seqlen}: {str(err).splitlines()[0][:100]}", file=sys.stderr)
     if not backward:
-        qc, kc, vc = (cupy.from_dlpack(x) for x in (qt, kt, vt))
         try:
+            qc, kc, vc = (cupy.from_dlpack(x) for x in (qt, kt, vt))
             result["naive_cupy"] = total / time_ms(lambda: naive_cupy(qc, kc, vc, causal), repeats=3) / 1e9
             if memory:
                 result["naive_peak_bytes"] = peak_extra_bytes(lambda: naive_cupy(qc, kc, vc, causal))
-        except cupy.cuda.memory.OutOfMemoryError:
+        except (cupy.cuda.memory.OutOfMemoryError, TypeError, ValueError, RuntimeError) as err:
+            # Out of memory, or a dtype this CuPy cannot take from torch (bfloat16 through DLPack).
             result["naive_cupy"] = None
+            print(f"  naive CuPy {dtype} d={headdim} N={seqlen}: {type(err).__name__}: {str(err)[:100]}", file=sys.stderr)
         if memory:
             result["numbaflash_peak_bytes"] = peak_extra_bytes(lambda: numbaflash.attention(q, k, v, causal=causal))
         cupy.get_default_memory_pool().free_all_blocks()
