@@ -215,6 +215,13 @@ def memory_demo():
     print(f"numbaflash, N={n}, d={d}, 1 head, fp16, causal: {ms:.0f} ms, "
           f"{flops(1, 1, n, d, True) / ms / 1e9:.1f} TFLOP/s, peak extra memory {extra / 2**20:.1f} MiB "
           f"(out {n * d * 2 / 2**20:.0f} MiB + lse {n * 4 / 2**20:.1f} MiB)")
+    out, lse = numbaflash.attention(q, k, v, causal=True, return_lse=True)
+    dout = torch.randn_like(q)
+    extra = peak_extra_bytes(lambda: numbaflash.attention_backward(dout, q, k, v, out, lse, causal=True))
+    ms = time_ms(lambda: numbaflash.attention_backward(dout, q, k, v, out, lse, causal=True), warmup=1, repeats=3)
+    print(f"numbaflash backward, same shape: {ms:.0f} ms, {flops(1, 1, n, d, True, backward=True) / ms / 1e9:.1f} "
+          f"TFLOP/s, peak extra memory {extra / 2**20:.1f} MiB (dq, dk, dv {3 * n * d * 2 / 2**20:.0f} MiB "
+          f"+ D {n * 4 / 2**20:.1f} MiB)")
     qc, kc, vc = (cupy.from_dlpack(x.transpose(1, 2)) for x in (q, k, v))
     try:
         naive_cupy(qc, kc, vc, True)

@@ -50,10 +50,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=reason))
 
 
+@pytest.fixture(params=[pytest.param("simulator"), pytest.param("gpu", marks=pytest.mark.gpu)])
+def mode(request):
+    """Runs a test in both modes: on the simulator in CI, and again on hardware under ``pytest -m gpu``."""
+    if (request.param == "gpu") != GPU_RUN:
+        pytest.skip("runs in the other mode")
+    return request.param
+
+
 @pytest.fixture
-def arrays():
+def arrays(mode):
     """(to_device, to_host): NumPy arrays stay on the host under the simulator, go to CuPy on a GPU."""
-    if not GPU_RUN:
+    if mode == "simulator":
         return (lambda x: x), np.asarray
     import cupy
 
@@ -73,9 +81,3 @@ def poisoned(monkeypatch):
         return out
 
     monkeypatch.setattr(_arrays, "empty", empty)
-
-
-@pytest.fixture
-def on_gpu():
-    """Whether this run uses a real GPU (``pytest -m gpu``) rather than the simulator."""
-    return GPU_RUN

@@ -6,7 +6,6 @@ semantics, so every kernel that uses them runs in CI on the CPU. Warp-collective
 emulate the warp with a per-warp exchange: each lane deposits its operand, the 32 lanes meet at a
 barrier, and each lane reads what the hardware would have routed to it.
 
-* ``shfl_xor(value, lane_mask)``: butterfly shuffle of a 32- or 64-bit value across the full warp.
 * ``group_max(value, width)``, ``group_sum(value, width)``: reduce over each aligned group of ``width``
   lanes (a power of two dividing 32) and give every lane the result: a butterfly of shuffles on the
   GPU, one exchange under the simulator.
@@ -15,7 +14,6 @@ barrier, and each lane reads what the hardware would have routed to it.
   index runs). The caller guarantees alignment to the vector's size (at most 16 bytes). On shared
   memory this is one ``ld.shared.v4`` instead of n scalar loads, which keeps the register-tiled loops
   fed; on global memory it is one 16-byte load per thread.
-* ``store4(arr, i, values)``: the matching vector store.
 * ``float_bits(x)`` / ``bits_float(u)``: reinterpret float32 <-> uint32 (for bfloat16 conversion).
 
 Tensor cores (compute capability >= 8.0; register fragments as in the PTX ISA, lane = 4 g + t):
@@ -88,10 +86,6 @@ if SIMULATOR:
         warp.barrier.wait()
         return slots, lane
 
-    def shfl_xor(value, lane_mask):
-        lanes, lane = _exchange(value)
-        return lanes[lane ^ lane_mask]
-
     def _group(value, width):
         lanes, lane = _exchange(value)
         start = lane - lane % width
@@ -120,9 +114,6 @@ if SIMULATOR:
 
     def load4(arr, i):
         return _vector(arr, i, 4)
-
-    def store4(arr, i, values):
-        arr[i], arr[i + 1], arr[i + 2], arr[i + 3] = values
 
     def float_bits(x):
         return np.array(x, dtype=np.float32).view(np.uint32)[()]
@@ -213,10 +204,6 @@ else:
     from numba.cuda.extending import intrinsic
 
     @device_function
-    def shfl_xor(value, lane_mask):
-        return cuda.shfl_xor_sync(0xFFFFFFFF, value, lane_mask)
-
-    @device_function
     def group_max(value, width):
         offset = width // 2
         while offset > 0:
@@ -268,26 +255,6 @@ else:
 
     load2 = _vector_load(2)
     load4 = _vector_load(4)
-
-    @intrinsic
-    def store4(typingctx, arr, i, values):
-        if not isinstance(arr, types.Array) or arr.ndim != 1:
-            return None
-        sig = types.void(arr, i, values)
-
-        def codegen(context, builder, sig, args):
-            aryty, ity, valty = sig.args
-            ptr = _element_pointer(context, builder, aryty, args[0], args[1], ity)
-            element = context.get_data_type(aryty.dtype)
-            vec = ir.Constant(ir.VectorType(element, 4), ir.Undefined)
-            for k in range(4):
-                value = context.cast(builder, builder.extract_value(args[2], k), valty[k], aryty.dtype)
-                vec = builder.insert_element(vec, value, ir.Constant(ir.IntType(32), k))
-            size = 4 * context.get_abi_sizeof(element)
-            builder.store(vec, builder.bitcast(ptr, vec.type.as_pointer()), align=min(size, 16))
-            return context.get_dummy_value()
-
-        return sig, codegen
 
     def _asm(builder, signature_types, ret, template, constraints, args, side_effect):
         fnty = ir.FunctionType(ret, signature_types)

@@ -1,0 +1,146 @@
+"""Each intrinsic against its definition: the simulator's emulation in CI, the hardware under -m gpu."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+from numba import cuda, float32, uint16, uint32
+
+from numbaflash.kernels.intrinsics import (cp_async_16, cp_async_commit, cp_async_wait_all, ex2, group_max,
+                                           group_sum, ldmatrix_x4, ldmatrix_x4_trans, load4, mma_bf16, mma_f16,
+                                           pack_bf16, pack_f16)
+
+HALVES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+
+
+@cuda.jit
+def mma_f16_kernel(a, b, c, d):
+    # a: (16, 8) uint32 words of a 16 x 16 matrix; b: (8, 8) words, row n = column n of the 16 x 8 B.
+    lane = cuda.threadIdx.x
+    g, t = lane >> 2, lane & 3
+    d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1] = mma_f16(
+        a[g, t], a[g + 8, t], a[g, t + 4], a[g + 8, t + 4], b[g, t], b[g, t + 4],
+        c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1])
+
+
+@cuda.jit
+def mma_bf16_kernel(a, b, c, d):
+    lane = cuda.threadIdx.x
+    g, t = lane >> 2, lane & 3
+    d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1] = mma_bf16(
+        a[g, t], a[g + 8, t], a[g, t + 4], a[g + 8, t + 4], b[g, t], b[g, t + 4],
+        c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1])
+
+
+@pytest.mark.parametrize("dtype,kernel", [("float16", mma_f16_kernel), ("bfloat16", mma_bf16_kernel)])
+def test_mma_m16n8k16_is_a_times_b_plus_c(dtype, kernel, arrays):
+    to_device, to_host = arrays
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((16, 16)).astype(HALVES[dtype])
+    b = rng.standard_normal((16, 8)).astype(HALVES[dtype])
+    c = rng.standard_normal((16, 8)).astype(np.float32)
+    d = to_device(np.zeros((16, 8), np.float32))
+    kernel[1, 32](to_device(a.view(np.uint32)), to_device(np.ascontiguousarray(b.T).view(np.uint32)), to_device(c), d)
+    want = a.astype(np.float64) @ b.astype(np.float64) + c
+    np.testing.assert_allclose(to_host(d), want, rtol=1e-5, atol=1e-5)
+
+
+@cuda.jit
+def ldmatrix_kernel(src, out, trans):
+    smem = cuda.shared.array(16 * 24, uint16)  # a 16 x 16 tile, rows padded to 24 halves
+    lane = cuda.threadIdx.x
+    for e in range(lane, 16 * 16, 32):
+        smem[(e // 16) * 24 + e % 16] = src[e]
+    cuda.syncthreads()
+    # Lane l gives row (l % 8) of matrix l // 8; matrices: rows 0-7 | 8-15, then columns 0-7 | 8-15.
+    row = lane % 8 + 8 * ((lane // 8) % 2)
+    col = 8 * (lane // 16)
+    if trans:
+        r = ldmatrix_x4_trans(smem, row * 24 + col)
+    else:
+        r = ldmatrix_x4(smem, row * 24 + col)
+    for j in range(4):
+        out[lane, j] = r[j]
+
+
+@pytest.mark.parametrize("trans", [False, True])
+def test_ldmatrix_x4_gives_each_lane_its_fragment(trans, arrays):
+    to_device, to_host = arrays
+    tile = np.arange(256, dtype=np.uint16).reshape(16, 16)
+    out = to_device(np.zeros((32, 4), np.uint32))
+    ldmatrix_kernel[1, 32](to_device(tile.ravel()), out, trans)
+    got = to_host(out)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for j in range(4):
+            m = tile[8 * (j % 2):8 * (j % 2) + 8, 8 * (j // 2):8 * (j // 2) + 8]  # matrix j
+            m = m.T if trans else m
+            lo, hi = m[g, 2 * t], m[g, 2 * t + 1]
+            assert got[lane, j] == int(lo) | (int(hi) << 16), (lane, j)
+
+
+@cuda.jit
+def cp_async_kernel(src, out, rows):
+    smem = cuda.shared.array(4 * 16, uint16)
+    i = cuda.threadIdx.x  # 8 threads: 4 rows x 2 chunks of 8 halves
+    row, chunk = i // 2, (i % 2) * 8
+    ok = row < rows
+    cp_async_16(smem, row * 16 + chunk, src, (0, row if ok else 0, 0, chunk), 16 if ok else 0)
+    cp_async_commit()
+    cp_async_wait_all()
+    cuda.syncthreads()
+    for x in range(8):
+        out[row, chunk + x] = smem[row * 16 + chunk + x]
+
+
+def test_cp_async_copies_16_bytes_and_zero_fills(arrays):
+    to_device, to_host = arrays
+    src = np.arange(1, 3 * 16 + 1, dtype=np.uint16).reshape(1, 3, 1, 16)
+    out = to_device(np.full((4, 16), 7, np.uint16))
+    cp_async_kernel[1, 8](to_device(src), out, 3)
+    want = np.zeros((4, 16), np.uint16)
+    want[:3] = src[0, :, 0]
+    np.testing.assert_array_equal(to_host(out), want)
+
+
+@cuda.jit
+def pack_kernel(x, f16, bf16, e2):
+    i = cuda.grid(1)
+    if i < x.shape[0] // 2:
+        f16[i] = pack_f16(x[2 * i], x[2 * i + 1])
+        bf16[i] = pack_bf16(x[2 * i], x[2 * i + 1])
+    if i < x.shape[0]:
+        e2[i] = ex2(x[i])
+
+
+def test_pack_rounds_to_nearest_and_ex2_is_two_to_the_x(arrays):
+    to_device, to_host = arrays
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal(64) * 4).astype(np.float32)
+    f16, bf16, e2 = (to_device(np.zeros(n, dt)) for n, dt in ((32, np.uint32), (32, np.uint32), (64, np.float32)))
+    pack_kernel[1, 64](to_device(x), f16, bf16, e2)
+    np.testing.assert_array_equal(to_host(f16), x.astype(np.float16).view(np.uint32))
+    np.testing.assert_array_equal(to_host(bf16), x.astype(ml_dtypes.bfloat16).view(np.uint32))
+    np.testing.assert_allclose(to_host(e2), np.exp2(x.astype(np.float64)), rtol=2e-7)  # ex2.approx: 2 ulp
+
+
+@cuda.jit
+def group_kernel(x, mx4, sum16, sum32, vec):
+    lane = cuda.threadIdx.x
+    mx4[lane] = group_max(x[lane], 4)
+    sum16[lane] = group_sum(x[lane], 16)
+    sum32[lane] = group_sum(x[lane], 32)
+    v = load4(x, (lane // 4) * 4)
+    vec[lane] = v[lane % 4]
+
+
+def test_group_reductions_and_vector_loads(arrays):
+    to_device, to_host = arrays
+    x = np.random.default_rng(2).standard_normal(32).astype(np.float32)
+    outs = [to_device(np.zeros(32, np.float32)) for _ in range(4)]
+    group_kernel[1, 32](to_device(x), *outs)
+    mx4, sum16, sum32, vec = (to_host(o) for o in outs)
+    np.testing.assert_array_equal(mx4, np.repeat(x.reshape(8, 4).max(axis=1), 4))
+    rounding = 1e-6 * np.abs(x).sum()  # float32 sums in butterfly order, against NumPy's pairwise order
+    np.testing.assert_allclose(sum16, np.repeat(x.reshape(2, 16).sum(axis=1), 16), atol=rounding)
+    np.testing.assert_allclose(sum32, np.full(32, x.sum()), atol=rounding)
+    np.testing.assert_array_equal(vec, x)
