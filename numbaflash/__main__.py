@@ -54,12 +54,19 @@ def main(argv=None):
         host = [x.astype(ml_dtypes.bfloat16) for x in host]
     else:
         host = [x.astype(np.dtype(dtype)) for x in host]
-    if on_gpu:
-        import cupy
-
-        to_device, to_host = cupy.asarray, cupy.asnumpy
-    else:
+    if not on_gpu:
         to_device, to_host = (lambda x: x), np.asarray
+    else:
+        try:
+            import cupy
+
+            to_device, to_host = cupy.asarray, cupy.asnumpy
+        except ImportError:  # numba's own device arrays (__cuda_array_interface__) serve every dtype but bf16
+            if dtype == "bfloat16":
+                raise SystemExit("bfloat16 arrays on the GPU need CuPy: pip install -e '.[cuda12]' (or [cuda13])")
+            from numba import cuda
+
+            to_device, to_host = cuda.to_device, (lambda x: x.copy_to_host() if hasattr(x, "copy_to_host") else x)
     q, k, v, dout = (to_device(x) for x in host)
 
     print(numbaflash.explain(q, k, v, causal=causal))

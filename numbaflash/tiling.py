@@ -91,20 +91,22 @@ class Launch:
 # kernels showed no stack frame at 16). 4x4 score patches do 16 FMAs per two 16-byte shared loads.
 MAX_THREAD_COLS = 12
 SIMT_TILES = {
-    # 128 x 64 with 512 threads measured fastest on the H200 (N = 4096: 23.5 and 25.2 TFLOP/s at headdim
-    # 64 and 128, against 16.8 and 19.1 for 64 x 64 and 256 threads): its launch bounds hold it to 128
-    # registers, two warps' worth of rows share every K and V load. Last resort for GPUs with 64 KiB of
-    # shared memory per block (Turing): 16 x 16 tiles fit headdim 256.
+    # 128 x 64 with 512 threads measured fastest on the H200 (N = 4096: 23.5 TFLOP/s at headdim 64,
+    # against 16.8 for 64 x 64 and 256 threads): its launch bounds hold it to 128 registers, and twice the
+    # rows share every K and V load. At headdim 128 it spills under that cap (MAX_HEADDIM), so 64 x 64
+    # runs there (19.1 TFLOP/s). Last resort for GPUs with 64 KiB of shared memory per block (Turing):
+    # 16 x 16 tiles fit headdim 256.
     ("forward", "float32"): (Tiles(128, 64, 4, 4), Tiles(64, 64, 4, 4), Tiles(32, 64, 2, 2), Tiles(32, 32, 2, 1),
-                             Tiles(16, 16, 1, 1)),
-    ("forward", "float64"): (Tiles(32, 32, 2, 2), Tiles(16, 32, 1, 1), Tiles(16, 16, 1, 1)),
+                             Tiles(16, 16, 1, 1), Tiles(8, 8, 1, 1)),
+    ("forward", "float64"): (Tiles(32, 32, 2, 2), Tiles(16, 32, 1, 1), Tiles(16, 16, 1, 1), Tiles(8, 8, 1, 1)),
     # The backward's two passes share one square block (the schedule `sim` counts uses one B_r = B_c).
-    ("backward", "float32"): (Tiles(64, 64, 4, 4), Tiles(32, 32, 2, 2)),
-    ("backward", "float64"): (Tiles(32, 32, 2, 2), Tiles(16, 16, 1, 1)),
+    ("backward", "float32"): (Tiles(64, 64, 4, 4), Tiles(32, 32, 2, 2), Tiles(16, 16, 1, 1), Tiles(8, 8, 1, 1)),
+    ("backward", "float64"): (Tiles(32, 32, 2, 2), Tiles(16, 16, 1, 1), Tiles(8, 8, 1, 1)),
 }
-# Head dims past which a tiling is not considered: float64 doubles every register, and on the H200 the
-# dQ kernel spilled 32 bytes at headdim 128 with 2x2 patches (launch bounds cap it at 255 registers).
-MAX_HEADDIM = {("backward", "float64", Tiles(32, 32, 2, 2)): 64}
+# Head dims past which a tiling is not considered. float64 doubles every register: on the H200 the dQ
+# kernel spilled 32 bytes at headdim 128 with 2x2 patches. The 512-thread forward tiling is capped at 128
+# registers by its launch bounds, and at headdim 128 ptxas spills 20 bytes under that cap.
+MAX_HEADDIM = {("backward", "float64", Tiles(32, 32, 2, 2)): 64, ("forward", "float32", Tiles(128, 64, 4, 4)): 64}
 # The simulator runs one Python thread per CUDA thread: small blocks (64 threads) keep CI fast while
 # running the same kernel source, with its masking, tiling and shuffles.
 SIMULATOR_TILES = Tiles(16, 16, 2, 2)

@@ -53,15 +53,21 @@ class Case:
 
 @st.composite
 def cases(draw, max_seqlen=70, headdims=st.integers(1, 40), big_headdims=(64, 128, 256), dtypes=DTYPES,
-          max_batch=2, max_kv_heads=2, max_group=2):
-    """batch 1-2, heads 1-4 with GQA, seqlens 1-70; head dims 1-40 plus 64, 128, 256 at tiny seqlens."""
+          max_batch=2, max_kv_heads=2, max_group=2, extreme_logits=True):
+    """batch 1-2, heads 1-4 with GQA, seqlens 1-70; head dims 1-40 plus 64, 128, 256 at tiny seqlens.
+
+    ``extreme_logits=False`` for the backward: it rebuilds P = exp(S - LSE) from a float32 LSE, whose ulp
+    at |logits| ~ 1e4 is 1e-3, so P carries that much error where standard attention, which keeps P,
+    carries none (on the H200: dv 7.7e-5 against naive's 3e-8 with one key). flash-attn's backward has
+    the same property; it is the price of not storing P.
+    """
     big = draw(st.booleans()) if big_headdims else False
     headdim = draw(st.sampled_from(big_headdims)) if big else draw(headdims)
     top = 16 if big else max_seqlen
     nheads_kv = draw(st.integers(1, max_kv_heads))
     dtype = draw(st.sampled_from(dtypes))
     # Logits near +-1e4 stress the online softmax; fp16/bf16 naive scores would overflow there.
-    extreme = dtype in ("float32", "float64") and draw(st.integers(0, 4)) == 0
+    extreme = extreme_logits and dtype in ("float32", "float64") and draw(st.integers(0, 4)) == 0
     return Case(
         batch=draw(st.integers(1, max_batch)), seqlen_q=draw(st.integers(1, top)), seqlen_k=draw(st.integers(1, top)),
         nheads=nheads_kv * draw(st.integers(1, max_group)), nheads_kv=nheads_kv, headdim=headdim, dtype=dtype,
@@ -106,11 +112,10 @@ def _bmm(a, b, form):
     return _t(a.swapaxes(-1, -2) @ _t(b))
 
 
-def naive_forward(q, k, v, case):
-    """Standard attention in the inputs' precision: S and P materialized in ``case.dtype``.
+def _naive_probabilities(q, k, v, case):
+    """The naive implementation's P: q scaled in its dtype, S and P rounded to the dtype, softmax in float32.
 
-    Like flash-attn's ``attention_ref(upcast=False)``: q is scaled in its dtype, matrix products
-    accumulate in float32 and round to the dtype, the softmax runs in float32 on the rounded scores.
+    Returns the compute type, the per-query-head K and V, the scaled Q, P, the row max and row sum.
     """
     ct = _compute_type(case.dtype)
     group = case.nheads // case.nheads_kv
@@ -125,6 +130,16 @@ def naive_forward(q, k, v, case):
     e = np.exp(s - m)
     total = e.sum(axis=-1, keepdims=True)
     p = _round(e / np.where(total > 0, total, 1), case.dtype).astype(ct)
+    return ct, kh, vh, qs, p, m, total
+
+
+def naive_forward(q, k, v, case):
+    """Standard attention in the inputs' precision: S and P materialized in ``case.dtype``.
+
+    Like flash-attn's ``attention_ref(upcast=False)``: q is scaled in its dtype, matrix products
+    accumulate in float32 and round to the dtype, the softmax runs in float32 on the rounded scores.
+    """
+    ct, _, vh, _, p, m, total = _naive_probabilities(q, k, v, case)
     out = _round(_bmm(p, vh, "pv"), case.dtype)
     with np.errstate(divide="ignore"):
         lse = (m + np.log(total))[..., 0].astype(ct)
@@ -200,18 +215,8 @@ def naive_backward(dout, q, k, v, case):
     Each product accumulates in float32 and rounds to the dtype; the softmax backward
     dS = P * (dP - rowsum(P * dP)) runs in float32 on rounded P and dP; GQA sums in float32.
     """
-    ct = _compute_type(case.dtype)
+    ct, kh, vh, qs, p, _, _ = _naive_probabilities(q, k, v, case)
     group = case.nheads // case.nheads_kv
-    kh = np.repeat(k, group, axis=2).astype(ct)
-    vh = np.repeat(v, group, axis=2).astype(ct)
-    qs = _round(q.astype(ct) * ct(case.scale), case.dtype).astype(ct)
-    s = _round(_bmm(qs, kh, "ij"), case.dtype).astype(ct)
-    mask = reference.visible_mask(case.seqlen_q, case.seqlen_k, **case.mask)
-    s = np.where(mask, s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
-    e = np.exp(s - np.where(np.isfinite(m), m, 0))
-    total = e.sum(axis=-1, keepdims=True)
-    p = _round(e / np.where(total > 0, total, 1), case.dtype).astype(ct)
     do = dout.astype(ct)
     dv_h = _round(_bmm(p, do, "tv"), case.dtype).astype(ct)
     dp = _round(_bmm(do, vh, "ij"), case.dtype).astype(ct)

@@ -13,7 +13,7 @@ FEWER = settings(max_examples=max(1, settings().max_examples // 2))
 
 
 @FEWER
-@given(case=cases())
+@given(case=cases(extreme_logits=False))
 def test_backward_matches_reference(case, arrays, poisoned):
     check_backward(case, numbaflash.attention, numbaflash.attention_backward, *arrays)
 

@@ -108,6 +108,39 @@ def stagers(ROWS, D, THREADS, ZERO, to_acc):
     return device_function(transposed), device_function(natural)
 
 
+def in_parts(product, CHUNK):
+    """``run(acc, part, rows, cols, a, a_base, lda, b, b_base, ldb, depth)``: acc += ``product`` over depth as
+    a two-level sum: each CHUNK-deep slice into ``part`` (zeroed), then into acc (see `add_tile`).
+
+    The gradients sum one key or query tile at a time (CHUNK = the tile); the scores sum 32 head
+    dimensions at a time: over 256 of them in one register, the rounding put a float64 kernel just
+    past twice NumPy's error at headdim 200.
+    """
+
+    def run(acc, part, rows, cols, a, a_base, lda, b, b_base, ldb, depth):
+        for d0 in range(0, depth, CHUNK):
+            fill(part, rows, cols, 0.0)
+            product(part, a, a_base + d0 * lda, lda, b, b_base + d0 * ldb, ldb, CHUNK)
+            add_tile(acc, part, rows, cols)
+
+    return device_function(run)
+
+
+def patch_writer(TD, VV, COLS_T, from_acc):
+    """``write(dst, b, row, h, acc, a, scale, c)``: row ``a`` of a thread's accumulator patch, times ``scale``,
+    to ``dst[b, row, h, :]``; the thread's columns are VV-wide vectors COLS_T * VV apart (as the
+    products lay them out), and columns past the head dimension are not written."""
+
+    def write(dst, b, row, h, acc, a, scale, c):
+        for g in range(TD // VV):
+            for x in range(VV):
+                col = g * COLS_T * VV + c * VV + x
+                if col < dst.shape[3]:
+                    dst[b, row, h, col] = from_acc(acc[a, g * VV + x] * scale)
+
+    return device_function(write)
+
+
 def fill(acc, rows, cols, value):
     for i in range(rows):
         for j in range(cols):

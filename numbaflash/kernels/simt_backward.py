@@ -30,7 +30,7 @@ from numba.cuda.np.numpy_support import from_dtype
 from .. import masks
 from . import elements
 from .intrinsics import group_sum
-from .register_tiles import add_tile, fill, outer_product, stagers, vector_width
+from .register_tiles import fill, in_parts, outer_product, patch_writer, stagers, vector_width
 
 PREPROCESS_ROWS = 8  # query rows per block of the preprocess kernel: one warp each
 LOG2E = math.log2(math.e)
@@ -104,13 +104,14 @@ def build_dkdv(D, tiles, storage):
     ZERO, ONE, INF, LN2, LOG2E_ = ACC(0), ACC(1), ACC(np.inf), ACC(math.log(2.0)), ACC(LOG2E)
     stage_kv_t, _ = stagers(BLOCK_K, D, THREADS, ZERO, to_acc)
     stage_q_t, stage_q_n = stagers(BLOCK_Q, D, THREADS, ZERO, to_acc)
-    scores_patch = outer_product(TK, TQ, 1, 0)  # S^T = K Q^T, dP^T = V dO^T over the head dimension
-    grad_patch = outer_product(TK, VV, TD // VV, COLS_T * VV)  # dV += P^T dO, dK += dS^T Q over the queries
+    scores_patch = in_parts(outer_product(TK, TQ, 1, 0), 32)  # S^T = K Q^T, dP^T = V dO^T over the head dim
+    grad_patch = in_parts(outer_product(TK, VV, TD // VV, COLS_T * VV), BLOCK_Q)  # dV += P^T dO, dK += dS^T Q
+    write_row = patch_writer(TD, VV, COLS_T, from_acc)
 
     def attention_backward_dkdv(q, k, v, dout, lse, delta, dk, dv, scale_log2, left, right, vec):
         # q, dout: (batch, seqlen_q, nheads, headdim); k, v, dk, dv: (batch, seqlen_k, nheads_kv, headdim)
         # lse, delta: (batch, nheads, seqlen_q)
-        seqlen_q, seqlen_k, headdim = q.shape[1], k.shape[1], q.shape[3]
+        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         group = q.shape[2] // k.shape[2]
         hk, b = cuda.blockIdx.y, cuda.blockIdx.z
         tid = cuda.threadIdx.x
@@ -137,6 +138,7 @@ def build_dkdv(D, tiles, storage):
             stage_kv_t(v_t, LDK, v, b, key_start, hk, ONE, tid, vec)
             s = cuda.local.array((TK, TQ), ACC)
             dp = cuda.local.array((TK, TQ), ACC)
+            part = cuda.local.array((TK, TQ), ACC)
             lse2 = cuda.local.array(TQ, ACC)
             dsum = cuda.local.array(TQ, ACC)
             for h in range(hk * group, (hk + 1) * group):
@@ -158,8 +160,8 @@ def build_dkdv(D, tiles, storage):
 
                     fill(s, TK, TQ, ZERO)
                     fill(dp, TK, TQ, ZERO)
-                    scores_patch(s, k_t, r * TK, LDK, q_buf, c * TQ, LDQ, D)
-                    scores_patch(dp, v_t, r * TK, LDK, do_buf, c * TQ, LDQ, D)
+                    scores_patch(s, part, TK, TQ, k_t, r * TK, LDK, q_buf, c * TQ, LDQ, D)
+                    scores_patch(dp, part, TK, TQ, v_t, r * TK, LDK, do_buf, c * TQ, LDQ, D)
                     full = masks.tile_is_full(q_start, q_end, key_start, key_start + BLOCK_K, seqlen_q, seqlen_k, left, right)
                     for bb in range(TQ):
                         lo_b, hi_b = masks.key_range(q_start + c * TQ + bb, seqlen_q, seqlen_k, left, right)
@@ -174,23 +176,15 @@ def build_dkdv(D, tiles, storage):
                     stage_q_n(q_buf, D, q, b, q_start, h, scale_log2, tid, vec)
                     stage_q_n(do_buf, D, dout, b, q_start, h, ONE, tid, vec)
                     cuda.syncthreads()  # Q and dO, row-major, are complete
-                    fill(tile, TK, TD, ZERO)
-                    grad_patch(tile, p_s, r * TK, LDP, do_buf, c * VV, D, BLOCK_Q)
-                    add_tile(dv_acc, tile, TK, TD)
-                    fill(tile, TK, TD, ZERO)
-                    grad_patch(tile, ds_s, r * TK, LDP, q_buf, c * VV, D, BLOCK_Q)
-                    add_tile(dk_acc, tile, TK, TD)
+                    grad_patch(dv_acc, tile, TK, TD, p_s, r * TK, LDP, do_buf, c * VV, D, BLOCK_Q)
+                    grad_patch(dk_acc, tile, TK, TD, ds_s, r * TK, LDP, q_buf, c * VV, D, BLOCK_Q)
 
         # Q was pre-scaled by scale * log2(e): dK = scale dS^T Q = ln(2) dS^T (scale log2(e) Q).
         for a in range(TK):
             key = key_start + r * TK + a
             if key < seqlen_k:
-                for g in range(TD // VV):
-                    for x in range(VV):
-                        col = g * COLS_T * VV + c * VV + x
-                        if col < headdim:
-                            dk[b, key, hk, col] = from_acc(dk_acc[a, g * VV + x] * LN2)
-                            dv[b, key, hk, col] = from_acc(dv_acc[a, g * VV + x])
+                write_row(dk, b, key, hk, dk_acc, a, LN2, c)
+                write_row(dv, b, key, hk, dv_acc, a, ONE, c)
 
     return attention_backward_dkdv, _signature(storage, 2)
 
@@ -206,12 +200,13 @@ def build_dq(D, tiles, storage):
     ZERO, ONE, INF, LN2, LOG2E_ = ACC(0), ACC(1), ACC(np.inf), ACC(math.log(2.0)), ACC(LOG2E)
     stage_q_t, _ = stagers(BLOCK_M, D, THREADS, ZERO, to_acc)
     stage_k_t, stage_k_n = stagers(BLOCK_N, D, THREADS, ZERO, to_acc)
-    scores_patch = outer_product(TM, TN, 1, 0)  # S = Q K^T, dP = dO V^T over the head dimension
-    grad_patch = outer_product(TM, VV, TD // VV, COLS_T * VV)  # dQ += dS K over the keys
+    scores_patch = in_parts(outer_product(TM, TN, 1, 0), 32)  # S = Q K^T, dP = dO V^T over the head dim
+    grad_patch = in_parts(outer_product(TM, VV, TD // VV, COLS_T * VV), BLOCK_N)  # dQ += dS K over the keys
+    write_row = patch_writer(TD, VV, COLS_T, from_acc)
 
     def attention_backward_dq(q, k, v, dout, lse, delta, dq, scale_log2, left, right, vec):
         # q, dout, dq: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim)
-        seqlen_q, seqlen_k, headdim = q.shape[1], k.shape[1], q.shape[3]
+        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         h, b = cuda.blockIdx.y, cuda.blockIdx.z
         hk = h // (q.shape[2] // k.shape[2])
         tid = cuda.threadIdx.x
@@ -234,6 +229,7 @@ def build_dq(D, tiles, storage):
             stage_q_t(do_t, LDQ, dout, b, row_start, h, ONE, tid, vec)
             s = cuda.local.array((TM, TN), ACC)
             dp = cuda.local.array((TM, TN), ACC)
+            part = cuda.local.array((TM, TN), ACC)
             lse2 = cuda.local.array(TM, ACC)
             dsum = cuda.local.array(TM, ACC)
             for a in range(TM):
@@ -253,8 +249,8 @@ def build_dq(D, tiles, storage):
 
                 fill(s, TM, TN, ZERO)
                 fill(dp, TM, TN, ZERO)
-                scores_patch(s, q_t, r * TM, LDQ, k_buf, c * TN, LDK, D)
-                scores_patch(dp, do_t, r * TM, LDQ, v_t, c * TN, LDK, D)
+                scores_patch(s, part, TM, TN, q_t, r * TM, LDQ, k_buf, c * TN, LDK, D)
+                scores_patch(dp, part, TM, TN, do_t, r * TM, LDQ, v_t, c * TN, LDK, D)
                 full = masks.tile_is_full(row_start, row_end, n_start, n_start + BLOCK_N, seqlen_q, seqlen_k, left, right)
                 for a in range(TM):
                     lo_a, hi_a = masks.key_range(row_start + r * TM + a, seqlen_q, seqlen_k, left, right)
@@ -267,18 +263,12 @@ def build_dq(D, tiles, storage):
                 cuda.syncthreads()  # everyone is done with K^T; dS^T is complete
                 stage_k_n(k_buf, D, k, b, n_start, hk, ONE, tid, vec)
                 cuda.syncthreads()  # K, row-major, is complete
-                fill(tile, TM, TD, ZERO)
-                grad_patch(tile, ds_t, r * TM, LDD, k_buf, c * VV, D, BLOCK_N)
-                add_tile(dq_acc, tile, TM, TD)
+                grad_patch(dq_acc, tile, TM, TD, ds_t, r * TM, LDD, k_buf, c * VV, D, BLOCK_N)
 
         # dQ = scale dS K, and scale = scale_log2 * ln(2).
         for a in range(TM):
             row = row_start + r * TM + a
             if row < seqlen_q:
-                for g in range(TD // VV):
-                    for x in range(VV):
-                        col = g * COLS_T * VV + c * VV + x
-                        if col < headdim:
-                            dq[b, row, h, col] = from_acc(dq_acc[a, g * VV + x] * (scale_log2 * LN2))
+                write_row(dq, b, row, h, dq_acc, a, scale_log2 * LN2, c)
 
     return attention_backward_dq, _signature(storage, 1)

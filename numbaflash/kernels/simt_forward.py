@@ -21,7 +21,7 @@ from numba.cuda.np.numpy_support import from_dtype
 from .. import masks
 from . import elements
 from .intrinsics import group_max, group_sum
-from .register_tiles import fill, outer_product, stagers, vector_width
+from .register_tiles import fill, in_parts, outer_product, patch_writer, stagers, vector_width
 
 
 def layout(D, tiles):
@@ -52,8 +52,9 @@ def build(D, tiles, storage):
     ZERO, ONE, NEG_INF, LN2 = ACC(0), ACC(1), ACC(-np.inf), ACC(math.log(2.0))
     stage_q, _ = stagers(BLOCK_M, D, THREADS, ZERO, to_acc)
     stage_k, stage_v = stagers(BLOCK_N, D, THREADS, ZERO, to_acc)
-    scores_patch = outer_product(TM, TN, 1, 0)  # S = Q K^T over the head dimension
+    scores_patch = in_parts(outer_product(TM, TN, 1, 0), 32)  # S = Q K^T over the head dimension
     output_patch = outer_product(TM, VV, TD // VV, COLS_T * VV)  # acc += P V over the keys
+    write_row = patch_writer(TD, VV, COLS_T, from_acc)
 
     storage_type = types.Array(from_dtype(elements.kernel_dtype(storage)), 4, "A")
     signature = (storage_type, storage_type, storage_type, storage_type, types.Array(ACC, 3, "A"), ACC,
@@ -92,6 +93,7 @@ def build(D, tiles, storage):
         pv = cuda.local.array((TM, TD), ACC)  # this tile's P V, summed into acc once (see add_tile)
         alpha_i = cuda.local.array(TM, ACC)
         s = cuda.local.array((TM, TN), ACC)
+        s_part = cuda.local.array((TM, TN), ACC)
         for a in range(TM):
             m_i[a] = NEG_INF
             l_i[a] = ZERO
@@ -105,7 +107,7 @@ def build(D, tiles, storage):
             cuda.syncthreads()  # the K and V tiles are complete
 
             fill(s, TM, TN, ZERO)
-            scores_patch(s, q_t, r * TM, LDQ, k_t, c * TN, LDK, D)
+            scores_patch(s, s_part, TM, TN, q_t, r * TM, LDQ, k_t, c * TN, LDK, D)
 
             # Only tiles that straddle the mask edge or the end of the keys pay for per-element masking.
             if not masks.tile_is_full(row_start, row_end, n_start, n_start + BLOCK_N, seqlen_q, seqlen_k, left, right):
@@ -147,12 +149,7 @@ def build(D, tiles, storage):
             l_row = group_sum(l_i[a], COLS_T)
             row = row_start + r * TM + a
             if row < seqlen_q:
-                inv = ONE / l_row if l_row > ZERO else ZERO
-                for g in range(TD // VV):
-                    for x in range(VV):
-                        col = g * COLS_T * VV + c * VV + x
-                        if col < headdim:
-                            out[b, row, h, col] = from_acc(acc[a, g * VV + x] * inv)
+                write_row(out, b, row, h, acc, a, ONE / l_row if l_row > ZERO else ZERO, c)
                 if c == 0:
                     lse[b, h, row] = (m_i[a] + math.log2(l_row)) * LN2 if l_row > ZERO else NEG_INF
 
