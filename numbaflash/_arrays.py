@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .kernels.elements import STORAGE, kernel_dtype
+from .kernels.elements import kernel_dtype
 from .kernels.intrinsics import SIMULATOR
 
 
@@ -157,4 +157,4 @@ def stream_of(op):
     return cuda.external_stream(ptr) if ptr else cuda.default_stream()
 
 
-__all__ = ["Operand", "STORAGE", "describe", "empty", "single_head_view", "stream_of"]
+__all__ = ["Operand", "describe", "empty", "is_device_array", "single_head_view", "stream_of"]

@@ -1,4 +1,4 @@
-"""The public API: `attention`, `plan` and `explain`, with every check at the boundary."""
+"""The public API: `attention`, `attention_backward`, `plan` and `explain`, with every check at the boundary."""
 
 import contextlib
 import math
@@ -199,29 +199,29 @@ def _launch(plan, index, stream, *args):
     compiled.launch(kernel, launch.grid, launch.threads, launch.smem_bytes, stream, *args)
 
 
-def _vector_loads(*operands):
-    """Whether every operand's head dimension can be staged 4 elements per load (one flag per launch)."""
-    return all(op.vector_aligned(4) for op in operands)
+def vector_staging(plan, *operands):
+    """Whether the kernels can stage these operands' tiles in vectors (one flag per launch).
+
+    The tensor-core kernel copies 16-byte chunks (8 elements) with cp.async, the CUDA-core kernels load 4
+    elements at a time: the head dimension must be contiguous, a multiple of that, and aligned. Otherwise
+    tiles are staged element by element, and `explain` says so.
+    """
+    return all(op.vector_aligned(8 if plan.kernel == "mma_forward" else 4) for op in operands)
 
 
 def run_forward(call, plan, out, lse):
     """Launch the forward kernel of ``plan`` on validated operands (``out``, ``lse`` preallocated)."""
-    if plan.kernel == "mma_forward":
-        # Tensor cores take 16-bit words; cp.async copies 16-byte chunks (8 elements).
-        views = [x.kernel_view(raw_bits=True) for x in (call.q, call.k, call.v, out)]
-        vec = all(op.vector_aligned(8) for op in (call.q, call.k, call.v))
-    else:
-        views = [x.kernel_view() for x in (call.q, call.k, call.v, out)]
-        vec = _vector_loads(call.q, call.k, call.v)
+    # Tensor cores take 16-bit words.
+    views = [x.kernel_view(raw_bits=plan.kernel == "mma_forward") for x in (call.q, call.k, call.v, out)]
     _launch(plan, 0, _arrays.stream_of(call.q), *views, lse.kernel_view(), _scale_arg(call), call.left, call.right,
-            vec)
+            vector_staging(plan, call.q, call.k, call.v))
 
 
 def run_backward(call, plan, dout, lse, out, delta, dq, dk, dv):
     """Launch the three backward kernels of ``plan`` on one stream; ``delta`` is the O(N) workspace."""
     stream = _arrays.stream_of(call.q)
     q, k, v, do, lse_v, delta_v = (x.kernel_view() for x in (call.q, call.k, call.v, dout, lse, delta))
-    extra = (_scale_arg(call), call.left, call.right, _vector_loads(call.q, call.k, call.v, dout))
+    extra = (_scale_arg(call), call.left, call.right, vector_staging(plan, call.q, call.k, call.v, dout))
     _launch(plan, 0, stream, out.kernel_view(), do, delta_v)
     _launch(plan, 1, stream, q, k, v, do, lse_v, delta_v, dk.kernel_view(), dv.kernel_view(), *extra)
     _launch(plan, 2, stream, q, k, v, do, lse_v, delta_v, dq.kernel_view(), *extra)
@@ -287,10 +287,14 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     mask = "causal" if causal else (f"window {tuple(window_size)}" if tuple(window_size) != (-1, -1) else "no mask")
     heads = f"{call.nheads}" + (f" (GQA, {call.nheads_kv} kv heads)" if call.nheads_kv != call.nheads else "")
     mb = lambda x: f"{x / 2**20:,.1f} MiB"
+    staging = ("tiles staged in vectors" if vector_staging(the_plan, call.q, call.k, call.v) else
+               "tiles staged element by element, slower: the head dimension is not contiguous, not a multiple of "
+               f"{8 if the_plan.kernel == 'mma_forward' else 4}, or not 16-byte aligned")
     return "\n".join([
         f"numbaflash.{'attention_backward' if backward else 'attention'}: batch {call.batch}, seqlen_q {call.seqlen_q}, "
         f"seqlen_k {call.seqlen_k}, heads {heads}, headdim {call.headdim}, {call.dtype}, {mask}",
         the_plan.describe(),
+        f"staging     {staging}",
         f"HBM traffic (sim closed form for this plan): {mb(flash['total_bytes'])} "
         f"(reads {flash['reads']:,}, writes {flash['writes']:,} elements)",
         f"standard attention (S and P through HBM):   {mb(standard['total_bytes'])}, "

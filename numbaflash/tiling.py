@@ -248,7 +248,7 @@ def make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, back
         launches = (Launch("simt_forward", (_cdiv(seqlen_q, bm), nheads, batch), tiles.threads, smem[0]),)
         registers = acc_bytes * (bm * D + bm * bn + 2 * bm)  # O accumulator, S, m and l
     if dtype in ("float16", "bfloat16") and backward:
-        why = f"the backward runs on the CUDA cores for every dtype (no tensor-core backward yet)"
+        why = "the backward runs on the CUDA cores for every dtype (no tensor-core backward yet)"
     elif dtype in ("float16", "bfloat16"):
         why = (f"{dtype} needs compute capability 8.0 for the tensor-core kernel; {device.name} has "
                f"{device.compute_capability[0]}.{device.compute_capability[1]}")

@@ -22,8 +22,6 @@ import statistics
 import sys
 import time
 
-import numpy as np
-
 TOKENS = 16384  # batch * seqlen: the batch shrinks as the sequence grows, so every case fills the GPU
 NHEADS = 16
 
@@ -286,7 +284,7 @@ def main(argv=None):
         return
     seqlens = [4096] if args.quick else args.seqlens
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
-    candidates = simt_candidates() if args.tilings else None
+    candidates = tiling_candidates() if args.tilings else None
     results = []
     for backward in [p == "backward" for p in args.passes]:
         for dtype in args.dtypes:
@@ -311,7 +309,7 @@ def save(results, out):
         json.dump(results, f, indent=1, default=str)
 
 
-def simt_candidates():
+def tiling_candidates():
     """Tilings of both forward kernels worth comparing (`numbaflash.tiling` explains the fields)."""
     from numbaflash.tiling import MmaTiles, Tiles
 

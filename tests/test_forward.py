@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given
 
 import numbaflash
 from cases import DTYPES, NP_DTYPES, Case, cases, check_forward, gpu_cases, inputs

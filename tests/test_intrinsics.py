@@ -3,7 +3,7 @@
 import ml_dtypes
 import numpy as np
 import pytest
-from numba import cuda, float32, uint16, uint32
+from numba import cuda, uint16
 
 from numbaflash.kernels.intrinsics import (cp_async_16, cp_async_commit, cp_async_wait_all, ex2, group_max,
                                            group_sum, ldmatrix_x4, ldmatrix_x4_trans, load4, mma_bf16, mma_f16,
