@@ -273,10 +273,10 @@ def _mma_forward_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dty
         raise ValueError(f"the tensor-core forward needs {smem} bytes of shared memory at headdim {headdim}; "
                          f"{device.name} offers {device.smem_per_block}")
     registers = 4 * (tiles.block_m * D + tiles.block_m * tiles.block_n + 2 * tiles.block_m)
-    reason = (f"{dtype} on compute capability {device.compute_capability[0]}.{device.compute_capability[1]}: "
-              f"tensor cores, float32 accumulation; head dims padded to 64, 128 or 256"
-              + ("; on the simulator the mma, ldmatrix and cp.async intrinsics are emulated, one warp per block"
-                 if device.simulator else ""))
+    where = ("the CUDA simulator, whose mma, ldmatrix and cp.async are emulations (one warp per block)"
+             if device.simulator else
+             f"compute capability {device.compute_capability[0]}.{device.compute_capability[1]}")
+    reason = f"{dtype} on {where}: tensor cores, float32 accumulation; head dims padded to 64, 128 or 256"
     return Plan(
         kernel="mma_forward", reason=reason, direction="forward", dtype=dtype, device=device.name, batch=batch,
         nheads=nheads, nheads_kv=nheads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k, headdim=headdim, headdim_padded=D,
