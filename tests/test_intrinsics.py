@@ -12,34 +12,31 @@ from numbaflash.kernels.intrinsics import (cp_async_16, cp_async_commit, cp_asyn
 HALVES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
 
-@cuda.jit
-def mma_f16_kernel(a, b, c, d):
-    # a: (16, 8) uint32 words of a 16 x 16 matrix; b: (8, 8) words, row n = column n of the 16 x 8 B.
-    lane = cuda.threadIdx.x
-    g, t = lane >> 2, lane & 3
-    d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1] = mma_f16(
-        a[g, t], a[g + 8, t], a[g, t + 4], a[g + 8, t + 4], b[g, t], b[g, t + 4],
-        c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1])
+def mma_kernel(mma):
+    """One warp computes D = A B + C with ``mma``, each lane loading its own fragment registers."""
+
+    @cuda.jit
+    def kernel(a, b, c, d):
+        # a: (16, 8) uint32 words of a 16 x 16 matrix; b: (8, 8) words, row n = column n of the 16 x 8 B.
+        lane = cuda.threadIdx.x
+        g, t = lane >> 2, lane & 3
+        d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1] = mma(
+            a[g, t], a[g + 8, t], a[g, t + 4], a[g + 8, t + 4], b[g, t], b[g, t + 4],
+            c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1])
+
+    return kernel
 
 
-@cuda.jit
-def mma_bf16_kernel(a, b, c, d):
-    lane = cuda.threadIdx.x
-    g, t = lane >> 2, lane & 3
-    d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1] = mma_bf16(
-        a[g, t], a[g + 8, t], a[g, t + 4], a[g + 8, t + 4], b[g, t], b[g, t + 4],
-        c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1])
-
-
-@pytest.mark.parametrize("dtype,kernel", [("float16", mma_f16_kernel), ("bfloat16", mma_bf16_kernel)])
-def test_mma_m16n8k16_is_a_times_b_plus_c(dtype, kernel, arrays):
+@pytest.mark.parametrize("dtype,mma", [("float16", mma_f16), ("bfloat16", mma_bf16)])
+def test_mma_m16n8k16_is_a_times_b_plus_c(dtype, mma, arrays):
     to_device, to_host = arrays
     rng = np.random.default_rng(0)
     a = rng.standard_normal((16, 16)).astype(HALVES[dtype])
     b = rng.standard_normal((16, 8)).astype(HALVES[dtype])
     c = rng.standard_normal((16, 8)).astype(np.float32)
     d = to_device(np.zeros((16, 8), np.float32))
-    kernel[1, 32](to_device(a.view(np.uint32)), to_device(np.ascontiguousarray(b.T).view(np.uint32)), to_device(c), d)
+    mma_kernel(mma)[1, 32](to_device(a.view(np.uint32)), to_device(np.ascontiguousarray(b.T).view(np.uint32)),
+                           to_device(c), d)
     want = a.astype(np.float64) @ b.astype(np.float64) + c
     np.testing.assert_allclose(to_host(d), want, rtol=1e-5, atol=1e-5)
 
