@@ -51,8 +51,7 @@ class Operand:
 
 
 def _dtype_name(dtype):
-    name = str(dtype).replace("torch.", "")
-    return name
+    return str(dtype).replace("torch.", "")
 
 
 def is_device_array(x):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _arrays, masks, tiling
-from .kernels import compiled, mma_forward, simt_backward, simt_forward
+from .kernels import compiled, mma_backward, mma_forward, simt_backward, simt_forward
 from .kernels.elements import STORAGE
 from .kernels.intrinsics import SIMULATOR
 
@@ -190,29 +190,44 @@ BUILDERS = {
     "simt_backward_preprocess": simt_backward.build_preprocess,
     "simt_backward_dkdv": simt_backward.build_dkdv,
     "simt_backward_dq": simt_backward.build_dq,
+    "mma_backward_dkdv": mma_backward.build_dkdv,
+    "mma_backward_dq": mma_backward.build_dq,
 }
+
+
+def kernel_for(plan, launch):
+    """The compiled kernel that runs ``launch``, one of ``plan.launches``."""
+    return compiled.kernel(BUILDERS[launch.kernel], plan.headdim_padded, plan.tiles, plan.dtype, launch.threads)
 
 
 def _launch(plan, index, stream, *args):
     launch = plan.launches[index]
-    kernel = compiled.kernel(BUILDERS[launch.kernel], plan.headdim_padded, plan.tiles, plan.dtype, launch.threads)
-    compiled.launch(kernel, launch.grid, launch.threads, launch.smem_bytes, stream, *args)
+    compiled.launch(kernel_for(plan, launch), launch.grid, launch.threads, launch.smem_bytes, stream, *args)
+
+
+def _tensor_cores(plan):
+    return plan.kernel in ("mma_forward", "mma_backward")
+
+
+def _vector_elements(plan):
+    """Head-dim elements per vector copy: 16-byte cp.async chunks in the tensor-core kernels, 4-element
+    loads in the CUDA-core kernels."""
+    return 8 if _tensor_cores(plan) else 4
 
 
 def vector_staging(plan, *operands):
     """Whether the kernels can stage these operands' tiles in vectors (one flag per launch).
 
-    The tensor-core kernel copies 16-byte chunks (8 elements) with cp.async, the CUDA-core kernels load 4
-    elements at a time: the head dimension must be contiguous, a multiple of that, and aligned. Otherwise
+    The head dimension must be contiguous, a multiple of `_vector_elements`, and aligned. Otherwise
     tiles are staged element by element, and `explain` says so.
     """
-    return all(op.vector_aligned(8 if plan.kernel == "mma_forward" else 4) for op in operands)
+    return all(op.vector_aligned(_vector_elements(plan)) for op in operands)
 
 
 def run_forward(call, plan, out, lse):
     """Launch the forward kernel of ``plan`` on validated operands (``out``, ``lse`` preallocated)."""
     # Tensor cores take 16-bit words.
-    views = [x.kernel_view(raw_bits=plan.kernel == "mma_forward") for x in (call.q, call.k, call.v, out)]
+    views = [x.kernel_view(raw_bits=_tensor_cores(plan)) for x in (call.q, call.k, call.v, out)]
     _launch(plan, 0, _arrays.stream_of(call.q), *views, lse.kernel_view(), _scale_arg(call), call.left, call.right,
             vector_staging(plan, call.q, call.k, call.v))
 
@@ -220,11 +235,13 @@ def run_forward(call, plan, out, lse):
 def run_backward(call, plan, dout, lse, out, delta, dq, dk, dv):
     """Launch the three backward kernels of ``plan`` on one stream; ``delta`` is the O(N) workspace."""
     stream = _arrays.stream_of(call.q)
-    q, k, v, do, lse_v, delta_v = (x.kernel_view() for x in (call.q, call.k, call.v, dout, lse, delta))
+    raw = _tensor_cores(plan)  # the preprocess runs on the CUDA cores and takes the storage dtype
+    q, k, v, do, dq_v, dk_v, dv_v = (x.kernel_view(raw_bits=raw) for x in (call.q, call.k, call.v, dout, dq, dk, dv))
+    lse_v, delta_v = lse.kernel_view(), delta.kernel_view()
     extra = (_scale_arg(call), call.left, call.right, vector_staging(plan, call.q, call.k, call.v, dout))
-    _launch(plan, 0, stream, out.kernel_view(), do, delta_v)
-    _launch(plan, 1, stream, q, k, v, do, lse_v, delta_v, dk.kernel_view(), dv.kernel_view(), *extra)
-    _launch(plan, 2, stream, q, k, v, do, lse_v, delta_v, dq.kernel_view(), *extra)
+    _launch(plan, 0, stream, out.kernel_view(), dout.kernel_view(), delta_v)
+    _launch(plan, 1, stream, q, k, v, do, lse_v, delta_v, dk_v, dv_v, *extra)
+    _launch(plan, 2, stream, q, k, v, do, lse_v, delta_v, dq_v, *extra)
 
 
 def _check_like(op, want, name, like_name):
@@ -278,8 +295,9 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     """Which kernel runs for this call and why, its plan, and its HBM traffic as `sim` predicts it."""
     import sim
 
-    the_plan = plan(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, backward=backward)
     call = inspect(q, k, v, causal, softmax_scale, window_size)
+    with _device_context(call):
+        the_plan = _plan_for(call, backward)
     sizes = dict(seqlen_k=call.seqlen_k, batch=call.batch, nheads=call.nheads, nheads_kv=call.nheads_kv,
                  causal=causal, window_size=tuple(window_size), backward=backward, dtype_bytes=the_plan.dtype_bytes)
     flash = sim.predict_io(call.seqlen_q, call.headdim, plan=the_plan, **sizes)
@@ -289,7 +307,7 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     mb = lambda x: f"{x / 2**20:,.1f} MiB"
     staging = ("tiles staged in vectors" if vector_staging(the_plan, call.q, call.k, call.v) else
                "tiles staged element by element, slower: the head dimension is not contiguous, not a multiple of "
-               f"{8 if the_plan.kernel == 'mma_forward' else 4}, or not 16-byte aligned")
+               f"{_vector_elements(the_plan)}, or not 16-byte aligned")
     return "\n".join([
         f"numbaflash.{'attention_backward' if backward else 'attention'}: batch {call.batch}, seqlen_q {call.seqlen_q}, "
         f"seqlen_k {call.seqlen_k}, heads {heads}, headdim {call.headdim}, {call.dtype}, {mask}",

@@ -111,12 +111,21 @@ MAX_HEADDIM = {("backward", "float64", Tiles(32, 32, 2, 2)): 64, ("forward", "fl
 # running the same kernel source, with its masking, tiling and shuffles.
 SIMULATOR_TILES = Tiles(16, 16, 2, 2)
 
-# Tensor-core forward, by head-dim bucket: 64 keys per tile; 4 warps x 16 rows, or 8 at headdim 128
-# (H200, fp16, N = 4096: 183 TFLOP/s against 174 for 4 warps; at headdim 64 4 warps won, 153 to 140).
+# Tensor-core forward, by head-dim bucket: 8 warps x 16 rows and 128 keys per tile up to headdim 128
+# (H200, fp16, N = 4096, TFLOP/s: 161 against 153 for 64 x 64 with 4 warps at headdim 64; 207 against
+# 182 for 128 x 64 at headdim 128): a bigger block shares each K/V tile among more rows and halves the
+# barriers per key. At headdim 256 that block would need 330 KiB of shared memory: 64 x 64, 4 warps.
 # One warp and 16 keys on the simulator, where each warp-wide instruction is an exchange between 32
 # Python threads.
-MMA_TILES = {64: MmaTiles(64, 64, 4), 128: MmaTiles(128, 64, 8), 256: MmaTiles(64, 64, 4)}
+MMA_HEADDIMS = (16, 32, 64, 128, 256)
+MMA_TILES = {16: MmaTiles(128, 128, 8), 32: MmaTiles(128, 128, 8), 64: MmaTiles(128, 128, 8),
+             128: MmaTiles(128, 128, 8), 256: MmaTiles(64, 64, 4)}
 SIMULATOR_MMA_TILES = MmaTiles(16, 16, 1)
+# Tensor-core backward: square blocks, because `sim` counts one B_r = B_c for both passes (the dK/dV
+# kernel owns block_m keys and streams block_n queries; the dQ kernel the reverse). Same measurement:
+# 121 (64 x 64, 4 warps) against 114 (128 x 128, 8 warps) at headdim 64; 141 against 147 at 128.
+MMA_BACKWARD_TILES = {16: MmaTiles(64, 64, 4), 32: MmaTiles(64, 64, 4), 64: MmaTiles(64, 64, 4),
+                      128: MmaTiles(128, 128, 8)}
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
@@ -135,8 +144,12 @@ def headdim_bucket(headdim):
 
 
 def mma_headdim_bucket(headdim):
-    """Head dimension the tensor-core kernels compile for: 64, 128 or 256, the first >= headdim."""
-    return next(D for D in (64, 128, 256) if headdim <= D)
+    """Head dimension the tensor-core kernels compile for: 16, 32, 64, 128 or 256, the first >= headdim.
+
+    A multiple of 16 (one mma k-step); small heads get small buckets because every product's cost
+    grows with the padded head dim (and on the simulator, so does the count of emulated warp exchanges).
+    """
+    return next(D for D in MMA_HEADDIMS if headdim <= D)
 
 
 def uses_tensor_cores(dtype, device):
@@ -170,7 +183,7 @@ class Plan:
     seqlen_k: int
     headdim: int
     headdim_padded: int
-    tiles: Tiles
+    tiles: Tiles | MmaTiles
     launches: tuple
     sram_bytes: int
     dq_strategy: str = "separate"
@@ -191,7 +204,8 @@ class Plan:
         t = self.tiles
         padded = f" padded to {self.headdim_padded}" if self.headdim_padded != self.headdim else ""
         if isinstance(t, MmaTiles):
-            owner = f"{t.warps} warps, each owning 16 query rows; mma.sync m16n8k16, float32 accumulators"
+            rows = "16 keys (dK/dV) or 16 query rows (dQ)" if self.direction == "backward" else "16 query rows"
+            owner = f"{t.warps} warps, each owning {rows}; mma.sync m16n8k16, float32 accumulators"
         else:
             owner = f"each thread owns a {t.thread_m} x {t.thread_n} patch of every score tile"
         lines = [
@@ -220,11 +234,16 @@ def _choose(direction, acc, D, acc_bytes, device, smem_of):
 
 def make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward=False, device=None, tiles=None):
     """The plan for these sizes on ``device`` (default: the current one). ``tiles`` overrides the blocks."""
-    from .kernels import simt_backward, simt_forward
+    from .kernels import mma_backward, simt_backward, simt_forward
 
     device = current_device() if device is None else device
-    if not backward and uses_tensor_cores(dtype, device) and (tiles is None or isinstance(tiles, MmaTiles)):
-        return _mma_forward_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, device, tiles)
+    sizes = (batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, device, tiles)
+    requested = tiles
+    if uses_tensor_cores(dtype, device) and (tiles is None or isinstance(tiles, MmaTiles)):
+        if not backward:
+            return _mma_forward_plan(*sizes)
+        if headdim <= mma_backward.MAX_HEADDIM:
+            return _mma_backward_plan(*sizes)
     acc = accumulator(dtype)
     acc_bytes = DTYPE_BYTES[acc]
     D = headdim_bucket(headdim)
@@ -247,13 +266,15 @@ def make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, back
     else:
         launches = (Launch("simt_forward", (_cdiv(seqlen_q, bm), nheads, batch), tiles.threads, smem[0]),)
         registers = acc_bytes * (bm * D + bm * bn + 2 * bm)  # O accumulator, S, m and l
-    if dtype in ("float16", "bfloat16") and backward:
-        why = "the backward runs on the CUDA cores for every dtype (no tensor-core backward yet)"
+    if dtype in ("float16", "bfloat16") and uses_tensor_cores(dtype, device):
+        why = ("CUDA-core tiles were requested" if requested is not None else
+               f"headdim {headdim} > {mma_backward.MAX_HEADDIM}: the tensor-core backward keeps a warp's 16 x headdim "
+               "dK and dV in registers, which do not fit past 128")
     elif dtype in ("float16", "bfloat16"):
-        why = (f"{dtype} needs compute capability 8.0 for the tensor-core kernel; {device.name} has "
+        why = (f"{dtype} needs compute capability 8.0 for the tensor-core kernels; {device.name} has "
                f"{device.compute_capability[0]}.{device.compute_capability[1]}")
     else:
-        why = f"{dtype} runs on the CUDA cores (the tensor-core kernel takes float16 and bfloat16)"
+        why = f"{dtype} runs on the CUDA cores (the tensor-core kernels take float16 and bfloat16)"
     reason = (f"{why}; accumulates in {acc}, head dims padded to 32, 64, 128 or 256"
               + ("; the simulator plan uses small blocks" if device.simulator else ""))
     return Plan(
@@ -261,6 +282,12 @@ def make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, back
         device=device.name, batch=batch, nheads=nheads, nheads_kv=nheads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         headdim=headdim, headdim_padded=D, tiles=tiles, launches=launches, sram_bytes=max(smem) + registers,
     )
+
+
+def _mma_where(device):
+    if device.simulator:
+        return "the CUDA simulator, whose mma, ldmatrix and cp.async are emulations (one warp per block)"
+    return f"compute capability {device.compute_capability[0]}.{device.compute_capability[1]}"
 
 
 def _mma_forward_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, device, tiles):
@@ -273,14 +300,40 @@ def _mma_forward_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dty
         raise ValueError(f"the tensor-core forward needs {smem} bytes of shared memory at headdim {headdim}; "
                          f"{device.name} offers {device.smem_per_block}")
     registers = 4 * (tiles.block_m * D + tiles.block_m * tiles.block_n + 2 * tiles.block_m)
-    where = ("the CUDA simulator, whose mma, ldmatrix and cp.async are emulations (one warp per block)"
-             if device.simulator else
-             f"compute capability {device.compute_capability[0]}.{device.compute_capability[1]}")
-    reason = f"{dtype} on {where}: tensor cores, float32 accumulation; head dims padded to 64, 128 or 256"
+    reason = f"{dtype} on {_mma_where(device)}: tensor cores, float32 accumulation; head dims padded to 16, 32, 64, 128 or 256"
     return Plan(
         kernel="mma_forward", reason=reason, direction="forward", dtype=dtype, device=device.name, batch=batch,
         nheads=nheads, nheads_kv=nheads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k, headdim=headdim, headdim_padded=D,
         tiles=tiles, launches=(Launch("mma_forward", (_cdiv(seqlen_q, tiles.block_m), nheads, batch), tiles.threads,
                                       smem),),
         sram_bytes=smem + registers,
+    )
+
+
+def _mma_backward_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, device, tiles):
+    from .kernels import mma_backward, simt_backward
+
+    D = mma_headdim_bucket(headdim)
+    tiles = tiles or (SIMULATOR_MMA_TILES if device.simulator else MMA_BACKWARD_TILES[D])
+    if tiles.block_m != tiles.block_n or tiles.block_m != 16 * tiles.warps:
+        raise ValueError(f"the tensor-core backward takes square tiles of 16 rows per warp; got {tiles}")
+    smem = (2 * mma_backward.smem_elements_dkdv(D, tiles), 2 * mma_backward.smem_elements_dq(D, tiles))
+    if max(smem) > device.smem_per_block:
+        raise ValueError(f"the tensor-core backward needs {max(smem)} bytes of shared memory at headdim {headdim}; "
+                         f"{device.name} offers {device.smem_per_block}")
+    bm = tiles.block_m
+    launches = (
+        Launch("simt_backward_preprocess", (_cdiv(seqlen_q, simt_backward.PREPROCESS_ROWS), nheads, batch),
+               32 * simt_backward.PREPROCESS_ROWS, 0),
+        Launch("mma_backward_dkdv", (_cdiv(seqlen_k, bm), nheads_kv, batch), tiles.threads, smem[0]),
+        Launch("mma_backward_dq", (_cdiv(seqlen_q, bm), nheads, batch), tiles.threads, smem[1]),
+    )
+    chunk = mma_backward.chunk(D, tiles.block_n)
+    registers = 4 * (2 * bm * D + 2 * bm * chunk)  # dK and dV fragments, S and dP of one chunk
+    reason = (f"{dtype} on {_mma_where(device)}: tensor cores, float32 accumulation; head dims padded to 16, 32, 64 or 128; "
+              f"score tiles in chunks of {chunk} columns; D = rowsum(dO * O) on the CUDA cores")
+    return Plan(
+        kernel="mma_backward", reason=reason, direction="backward", dtype=dtype, device=device.name, batch=batch,
+        nheads=nheads, nheads_kv=nheads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k, headdim=headdim, headdim_padded=D,
+        tiles=tiles, launches=launches, sram_bytes=max(smem) + registers,
     )

@@ -8,7 +8,7 @@ TFLOP/s with ratios to each baseline. FLOPs: 4 * batch * nheads * seqlen^2 * hea
     python scripts/bench.py                       # the full grid: fp16, bf16, fp32; d 64, 128; N 512..16384
     python scripts/bench.py --quick               # a few cases
     python scripts/bench.py --memory-demo         # N = 131072, d = 128, one head: numbaflash vs naive
-    python scripts/bench.py --tilings             # each forward kernel's candidate tilings, side by side
+    python scripts/bench.py --tilings             # each kernel's candidate tilings, side by side
     python scripts/bench.py --memory              # also the peak extra memory of each forward call
 
 Writes bench.json and bench_tflops.png under --out.
@@ -160,12 +160,18 @@ def run_case(dtype, headdim, seqlen, causal, backward, tilings=None, memory=Fals
     result["numbaflash"] = total / time_ms(fn) / 1e9
     result["plan"] = numbaflash.plan(q, k, v, causal=causal, backward=backward).kernel
     if tilings:
-        mma = result["plan"] == "mma_forward"
+        mma = result["plan"].startswith("mma")
         for tiles in (t for t in tilings if isinstance(t, tiling.MmaTiles) == mma):
+            if backward and tiles.block_m != tiles.block_n:
+                continue  # the backward's two passes share one square block
             try:
-                p = tiling.make_plan(batch, NHEADS, NHEADS, seqlen, seqlen, headdim, dtype, tiles=tiles)
-                result[f"tiles {tiles}"] = total / time_ms(lambda: numbaflash.attention(q, k, v, causal=causal,
-                                                                                         plan=p)) / 1e9
+                p = tiling.make_plan(batch, NHEADS, NHEADS, seqlen, seqlen, headdim, dtype, backward=backward,
+                                     tiles=tiles)
+                if backward:
+                    variant = lambda: numbaflash.attention_backward(dout, q, k, v, out, lse, causal=causal, plan=p)
+                else:
+                    variant = lambda: numbaflash.attention(q, k, v, causal=causal, plan=p)
+                result[f"tiles {tiles}"] = total / time_ms(variant) / 1e9
             except Exception as err:  # a tiling that does not fit this device is reported, not fatal
                 print(f"  tiling {tiles}: {type(err).__name__}: {err}", file=sys.stderr)
 
@@ -274,7 +280,7 @@ def main(argv=None):
     parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     parser.add_argument("--passes", nargs="+", default=["forward", "backward"], choices=["forward", "backward"])
     parser.add_argument("--quick", action="store_true", help="N = 4096 only")
-    parser.add_argument("--tilings", action="store_true", help="also time each CUDA-core forward tiling")
+    parser.add_argument("--tilings", action="store_true", help="also time each kernel's candidate tilings")
     parser.add_argument("--memory-demo", action="store_true")
     parser.add_argument("--memory", action="store_true", help="measure the peak extra memory of forward calls")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -291,8 +297,7 @@ def main(argv=None):
             for d in args.headdims:
                 for n in seqlens:
                     for causal in causals:
-                        tiles = candidates if (candidates and not backward) else None
-                        results.append(run_case(dtype, d, n, causal, backward, tiles, args.memory))
+                        results.append(run_case(dtype, d, n, causal, backward, candidates, args.memory))
                         print(table(results[-1:]).splitlines()[-1], f"({results[-1]['seconds']:.0f} s)", flush=True)
                         variants = {k[6:]: round(v, 1) for k, v in results[-1].items() if k.startswith("tiles ")}
                         if variants:
@@ -310,11 +315,12 @@ def save(results, out):
 
 
 def tiling_candidates():
-    """Tilings of both forward kernels worth comparing (`numbaflash.tiling` explains the fields)."""
+    """Tilings worth comparing (`numbaflash.tiling` explains the fields); the backward takes the square ones."""
     from numbaflash.tiling import MmaTiles, Tiles
 
-    return [Tiles(64, 64, 4, 4), Tiles(64, 32, 4, 2), Tiles(128, 64, 4, 4),
-            MmaTiles(64, 64, 4), MmaTiles(128, 64, 8), MmaTiles(128, 32, 8), MmaTiles(64, 32, 4)]
+    return [Tiles(64, 64, 4, 4), Tiles(64, 32, 4, 2), Tiles(128, 64, 4, 4), Tiles(32, 32, 2, 2),
+            MmaTiles(64, 64, 4), MmaTiles(128, 64, 8), MmaTiles(128, 32, 8), MmaTiles(64, 32, 4),
+            MmaTiles(64, 128, 4), MmaTiles(128, 128, 8), MmaTiles(32, 32, 2)]
 
 
 if __name__ == "__main__":

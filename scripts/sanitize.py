@@ -27,8 +27,8 @@ def grid():
 
     rng = np.random.default_rng(0)
     # Odd lengths, GQA, a partial last tile, every mask; one head-dim bucket keeps compiles few (each
-    # sanitizer tool reruns the process). float16 runs the tensor-core forward and the CUDA-core
-    # backward, float32 the CUDA-core kernels both ways: every kernel family.
+    # sanitizer tool reruns the process). float16 runs the tensor-core kernels both ways, float32 the
+    # CUDA-core kernels both ways: every kernel family.
     shapes = [(2, 33, 70, 4, 2, 40), (1, 70, 33, 2, 1, 64)]
     masks = [dict(), dict(causal=True), dict(window_size=(5, 3))]
     for dtype in ("float16", "float32"):

@@ -18,14 +18,16 @@ def test_backward_matches_reference(case, arrays, poisoned):
     check_backward(case, numbaflash.attention, numbaflash.attention_backward, *arrays)
 
 
-@pytest.mark.parametrize("dtype,headdim", [("float16", 64), ("float64", 256)])
-def test_production_tilings_on_small_shapes(dtype, headdim, arrays, poisoned):
+@pytest.mark.parametrize("dtype,headdim,kernel", [("float16", 40, "mma_backward"), ("bfloat16", 200, "simt_backward"),
+                                                  ("float64", 256, "simt_backward")])
+def test_production_tilings_on_small_shapes(dtype, headdim, kernel, arrays, poisoned):
+    """The H100's own block sizes (4 warps of 16 keys or rows; 256 threads on the CUDA cores), on the simulator."""
     case = Case(1, 11, 19, 2, 1, headdim, dtype, causal=True, seed=4)
     to_device, _ = arrays
     q, k, v = (to_device(x) for x in inputs(case))
     fwd = numbaflash.plan(q, k, v, causal=True, device=HOPPER)
     bwd = numbaflash.plan(q, k, v, causal=True, device=HOPPER, backward=True)
-    assert bwd.tiles.threads >= 256
+    assert bwd.kernel == kernel and bwd.tiles.threads >= 128
     check_backward(case, lambda *a, **kw: numbaflash.attention(*a, plan=fwd, **kw),
                    lambda *a, **kw: numbaflash.attention_backward(*a, plan=bwd, **kw), *arrays)
 
@@ -87,3 +89,11 @@ def test_gradients_are_bitwise_reproducible_over_10_calls(dtype, arrays):
     for _ in range(9):
         again = [to_host(g).tobytes() for g in numbaflash.attention_backward(dout, q, k, v, out, lse, causal=True)]
         assert again == first
+
+
+def test_explain_names_the_tensor_core_backward(arrays):
+    to_device, _ = arrays
+    q, k, v = (to_device(x) for x in inputs(Case(1, 64, 64, 4, 2, 64, "bfloat16")))
+    text = numbaflash.explain(q, k, v, causal=True, backward=True)
+    assert "mma_backward_dkdv" in text and "mma_backward_dq" in text and "16 keys (dK/dV)" in text
+    assert "GQA" in text and "standard attention" in text

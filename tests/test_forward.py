@@ -126,14 +126,12 @@ def test_production_kernels_keep_their_accumulators_in_registers(dtype):
     from numba import cuda
 
     from numbaflash import interface, tiling
-    from numbaflash.kernels import compiled
 
-    for headdim in (64, 128, 256):
+    for headdim in tiling.MMA_HEADDIMS:  # every bucket of both kernel families
         for backward in (False, True):
             plan = tiling.make_plan(1, 1, 1, 512, 512, headdim, dtype, backward=backward)
             for launch in plan.launches:
-                kernel = compiled.kernel(interface.BUILDERS[launch.kernel], plan.headdim_padded, plan.tiles,
-                                         plan.dtype, launch.threads)
+                kernel = interface.kernel_for(plan, launch)
                 attrs = next(iter(kernel.overloads.values()))._codelibrary.get_cufunc().attrs
                 assert attrs.local == 0, f"{launch.kernel} {dtype} d={headdim}: {attrs.local} bytes of local memory"
                 assert attrs.regs * launch.threads <= cuda.get_current_device().MAX_REGISTERS_PER_BLOCK
@@ -141,16 +139,20 @@ def test_production_kernels_keep_their_accumulators_in_registers(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("headdim", [64, 128, 256])
-def test_tensor_core_forward_sass_has_hmma_and_no_local_memory(dtype, headdim):
+@pytest.mark.parametrize("headdim", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("backward", [False, True])
+def test_tensor_core_kernels_sass_has_hmma_and_no_local_memory(dtype, headdim, backward):
     from numbaflash import interface, tiling
-    from numbaflash.kernels import compiled
 
-    plan = tiling.make_plan(1, 1, 1, 512, 512, headdim, dtype)
-    assert plan.kernel == "mma_forward"
-    launch = plan.launches[0]
-    kernel = compiled.kernel(interface.BUILDERS[launch.kernel], plan.headdim_padded, plan.tiles, dtype, launch.threads)
-    sass = "\n".join(kernel.inspect_sass().values())
-    assert "HMMA" in sass
-    assert "LDL" not in sass and "STL" not in sass
-    assert "LDSM" in sass and "LDGSTS" in sass  # ldmatrix and cp.async made it through
+    plan = tiling.make_plan(1, 1, 1, 512, 512, headdim, dtype, backward=backward)
+    if backward and headdim > 128:
+        assert plan.kernel == "simt_backward" and "headdim 256 > 128" in plan.reason
+        return
+    assert plan.kernel == ("mma_backward" if backward else "mma_forward")
+    for launch in plan.launches:
+        if not launch.kernel.startswith("mma"):
+            continue  # the backward's D = rowsum(dO * O) runs on the CUDA cores
+        sass = "\n".join(interface.kernel_for(plan, launch).inspect_sass().values())
+        assert "HMMA" in sass, launch.kernel
+        assert "LDL" not in sass and "STL" not in sass, launch.kernel
+        assert "LDSM" in sass and "LDGSTS" in sass, launch.kernel  # ldmatrix and cp.async made it through

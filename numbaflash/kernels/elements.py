@@ -16,11 +16,6 @@ STORAGE = ("float16", "bfloat16", "float32", "float64")
 
 
 @device_function
-def f16_to_f32(x):
-    return float32(x)
-
-
-@device_function
 def f32_to_f16(x):
     return float16(x)
 
@@ -52,7 +47,7 @@ def to_f64(x):
 def codec(storage):
     """``(accumulator type, load, store)`` for a storage dtype name."""
     return {
-        "float16": (float32, f16_to_f32, f32_to_f16),
+        "float16": (float32, to_f32, f32_to_f16),
         "bfloat16": (float32, bf16_to_f32, f32_to_bf16),
         "float32": (float32, to_f32, to_f32),
         "float64": (float64, to_f64, to_f64),

@@ -65,6 +65,8 @@ if SIMULATOR:
             self.barrier = threading.Barrier(size)
             self.buffers = ([None] * size, [None] * size)
             self.generation = [0] * size
+            self.lock = threading.Lock()
+            self.results = [None, None]  # (generation, value) of the last warp-wide result per buffer
 
     def _exchange(value):
         """All lanes of the calling thread's warp deposit ``value``; each gets every lane's value."""
@@ -80,14 +82,25 @@ if SIMULATOR:
                     block_threads = int(np.prod(manager._block_dim))
                     warps[warp_id] = _Warp(min(32, block_threads - 32 * warp_id))
                 warp = thread._numbaflash_warp = warps[warp_id]
-        slots = warp.buffers[warp.generation[lane] % 2]
+        generation = warp.generation[lane]
+        slots = warp.buffers[generation % 2]
         warp.generation[lane] += 1
         slots[lane] = value
         warp.barrier.wait()
-        return slots, lane
+        return slots, lane, warp, generation
+
+    def _warp_result(value, compute):
+        """Exchange ``value``; ``compute(values of all lanes)`` runs once per warp and every lane gets its
+        result (a lane reads it before it can reach the exchange after next, which would reuse the slot)."""
+        slots, lane, warp, generation = _exchange(value)
+        with warp.lock:
+            done = warp.results[generation % 2]
+            if done is None or done[0] != generation:
+                done = warp.results[generation % 2] = (generation, compute(slots))
+        return done[1], lane
 
     def _group(value, width):
-        lanes, lane = _exchange(value)
+        lanes, lane = _exchange(value)[:2]
         start = lane - lane % width
         return lanes[start:start + width]
 
@@ -123,30 +136,31 @@ if SIMULATOR:
 
     import ml_dtypes
 
-    def _halves(word, dtype):
-        """The two 16-bit values of a uint32 register, low half first, as float32."""
-        return np.array([word], dtype=np.uint32).view(dtype).astype(np.float32)
+    # Where lane l's register r, half h sits in A (16 x 16) and B (16 x 8), and register r in C/D (16 x 8).
+    _l, _r, _h = np.ogrid[:32, :4, :2]
+    A_AT = ((_l >> 2) + 8 * (_r & 1), 2 * (_l & 3) + _h + 8 * (_r >> 1))
+    _l, _r, _h = np.ogrid[:32, :2, :2]
+    B_AT = (2 * (_l & 3) + _h + 8 * _r, np.broadcast_to(_l >> 2, (32, 2, 2)))
+    _l, _r = np.ogrid[:32, :4]
+    C_AT = ((_l >> 2) + 8 * (_r >> 1), 2 * (_l & 3) + (_r & 1))
 
-    def _matrix(words, dtype, rows, cols, element):
-        """Assemble a warp's fragment registers into a matrix; ``element(lane, reg, half)`` -> (row, col)."""
-        m = np.zeros((rows, cols), dtype=np.float32)
-        for lane, regs in enumerate(words):
-            for reg, word in enumerate(regs):
-                for half, value in enumerate(_halves(word, dtype)):
-                    m[element(lane, reg, half)] = value
+    def _matrix(words, dtype, shape, at):
+        """A warp's fragment registers (uint32 of two 16-bit values, low half first) as one matrix."""
+        m = np.zeros(shape, dtype=np.float64)
+        regs = np.array(words, dtype=np.uint32)
+        m[at] = regs.view(dtype).reshape(regs.shape + (2,))
         return m
 
     def _mma(dtype, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        lanes, lane = _exchange(((a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3)))
-        a = _matrix([x[0] for x in lanes], dtype, 16, 16,
-                    lambda l, r, h: ((l >> 2) + 8 * (r & 1), 2 * (l & 3) + h + 8 * (r >> 1)))
-        b = _matrix([x[1] for x in lanes], dtype, 16, 8, lambda l, r, h: (2 * (l & 3) + h + 8 * r, l >> 2))
-        c = np.zeros((16, 8), dtype=np.float64)
-        for l, (_, _, regs) in enumerate(lanes):
-            for r, value in enumerate(regs):
-                c[(l >> 2) + 8 * (r >> 1), 2 * (l & 3) + (r & 1)] = value
-        # Products of 16-bit values are exact in float32; the sum is rounded once, to float32.
-        d = (a.astype(np.float64) @ b.astype(np.float64) + c).astype(np.float32)
+        def product(lanes):
+            a = _matrix([x[0] for x in lanes], dtype, (16, 16), A_AT)
+            b = _matrix([x[1] for x in lanes], dtype, (16, 8), B_AT)
+            c = np.zeros((16, 8), dtype=np.float64)
+            c[C_AT] = np.array([x[2] for x in lanes], dtype=np.float32)
+            # Products of 16-bit values are exact in float32; the sum is rounded once, to float32.
+            return (a @ b + c).astype(np.float32)
+
+        d, lane = _warp_result(((a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3)), product)
         g, t = lane >> 2, lane & 3
         return d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1]
 
@@ -160,12 +174,12 @@ if SIMULATOR:
         return np.uint32(int(lo) | (int(hi) << 16))
 
     def ldmatrix_x4(smem, i):
-        rows, lane = _exchange(int(i))
+        rows, lane = _exchange(int(i))[:2]
         g, t = lane >> 2, lane & 3
         return tuple(_word(smem[rows[8 * j + g] + 2 * t], smem[rows[8 * j + g] + 2 * t + 1]) for j in range(4))
 
     def ldmatrix_x4_trans(smem, i):
-        rows, lane = _exchange(int(i))
+        rows, lane = _exchange(int(i))[:2]
         g, t = lane >> 2, lane & 3
         return tuple(_word(smem[rows[8 * j + 2 * t] + g], smem[rows[8 * j + 2 * t + 1] + g]) for j in range(4))
 

@@ -4,13 +4,11 @@ One thread block of ``WARPS`` warps per (query block, head, batch element); each
 so the online softmax needs no communication between warps. Per key tile a warp computes its 16 x
 BLOCK_N scores S = Q K^T as mma fragments (float32 accumulators in registers), masks and exponentiates
 them in registers, repacks them as the 16-bit A operand of P V (the accumulator layout of two n-tiles
-is exactly the A layout of one k-step), and adds P V into its 16 x D output fragments. Q is read from
-shared memory with ldmatrix, K with ldmatrix as the B operand of Q K^T (K's rows are B's columns),
-V with ldmatrix.trans as the B operand of P V.
+is exactly the A layout of one k-step), and adds P V into its 16 x D output fragments (the two
+products are `mma_tiles`'s ``scores`` and ``accumulate``).
 
 K and V tiles are double-buffered: while a tile is computed, the next one is in flight with cp.async
-(16 bytes per copy, straight to shared memory). Shared-memory rows are padded by 8 halves (16 bytes),
-so the 8 rows an ldmatrix reads fall in distinct banks. Scores stay raw; ``softmax_scale * log2(e)``
+(16 bytes per copy, straight to shared memory). Scores stay raw; ``softmax_scale * log2(e)``
 is folded into the exponent's FMA, and the exponential is the hardware's ex2.
 """
 
@@ -20,13 +18,14 @@ import numpy as np
 from numba import cuda, types
 
 from .. import masks
-from .intrinsics import (cp_async_16, cp_async_commit, cp_async_wait_all, cp_async_wait_one, device_function, ex2,
-                         group_max, group_sum, ldmatrix_x4, ldmatrix_x4_trans, mma_bf16, mma_f16, pack_bf16, pack_f16)
+from .hidden_rows import write_hidden_rows
+from .intrinsics import cp_async_commit, cp_async_wait_all, cp_async_wait_one, ex2, group_max, group_sum
+from .mma_tiles import fragment_writer, lane_offsets, products, row_stride, stager
 
 
 def layout(D, tiles):
     """Row stride (halves) and offsets of Q (block_m rows), K (two stages) and V (two stages)."""
-    ld = D + 8
+    ld = row_stride(D)
     sizes = (tiles.block_m * ld, 2 * tiles.block_n * ld, 2 * tiles.block_n * ld)
     return ld, tuple(sum(sizes[:i]) for i in range(4))
 
@@ -40,8 +39,10 @@ def build(D, tiles, storage):
     BLOCK_M, BLOCK_N, WARPS = tiles.block_m, tiles.block_n, tiles.warps
     THREADS = 32 * WARPS
     LD, (Q_AT, K_AT, V_AT, END) = layout(D, tiles)
-    NT, DT, KS, PS, CHUNKS = BLOCK_N // 8, D // 8, D // 16, BLOCK_N // 16, D // 8
-    mma, pack = (mma_f16, pack_f16) if storage == "float16" else (mma_bf16, pack_bf16)
+    NT, DT = BLOCK_N // 8, D // 8
+    stage = stager(D, THREADS)
+    scores, accumulate = products(BLOCK_N, D, storage)
+    write_out = fragment_writer(D, storage)
     f32 = np.float32
     ZERO, ONE, NEG_INF, LN2 = f32(0), f32(1), f32(-np.inf), f32(math.log(2.0))
 
@@ -49,33 +50,10 @@ def build(D, tiles, storage):
     signature = (bits, bits, bits, bits, types.Array(types.float32, 3, "A"), types.float32, types.int64,
                  types.int64, types.boolean)
 
-    def stage(smem, base, src, b, row0, h, rows, tid, vec):
-        """``rows`` rows of one head into shared memory (stride LD); zeros past the sequence or head dim.
-
-        With ``vec`` (head dim a multiple of 8, 16-byte aligned rows) every 16-byte chunk is one cp.async
-        that lands while the warp computes; otherwise element by element, synchronously.
-        """
-        if vec:
-            for e in range(tid, rows * CHUNKS, THREADS):
-                i = e // CHUNKS
-                col = (e - i * CHUNKS) * 8
-                ok = row0 + i < src.shape[1] and col < src.shape[3]
-                # An empty copy still needs an address; row 0, column 0 always exists.
-                cp_async_16(smem, base + i * LD + col, src, (b, row0 + i if ok else 0, h, col if ok else 0),
-                            16 if ok else 0)
-        else:
-            for e in range(tid, rows * D, THREADS):
-                i = e // D
-                col = e - i * D
-                x = types.uint16(0)
-                if row0 + i < src.shape[1] and col < src.shape[3]:
-                    x = src[b, row0 + i, h, col]
-                smem[base + i * LD + col] = x
-
     def attention_forward_mma(q, k, v, out, lse, scale_log2, left, right, vec):
         # q, out: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v: (batch, seqlen_k, nheads_kv, headdim)
         # lse: (batch, nheads, seqlen_q)
-        seqlen_q, seqlen_k, headdim = q.shape[1], k.shape[1], q.shape[3]
+        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         h, b = cuda.blockIdx.y, cuda.blockIdx.z
         hk = h // (q.shape[2] // k.shape[2])
         tid = cuda.threadIdx.x
@@ -85,12 +63,8 @@ def build(D, tiles, storage):
         row_end = min(row_start + BLOCK_M, seqlen_q)
         lo, hi = masks.block_key_range(row_start, row_end, seqlen_q, seqlen_k, left, right)
 
-        if lo >= hi:  # the mask hides every key from these rows: O = 0, LSE = -inf, nothing loaded
-            for e in range(tid, (row_end - row_start) * headdim, THREADS):
-                i = e // headdim
-                out[b, row_start + i, h, e - i * headdim] = types.uint16(0)
-                if e - i * headdim == 0:
-                    lse[b, h, row_start + i] = NEG_INF
+        if lo >= hi:  # the mask hides every key from these rows
+            write_hidden_rows(out, lse, b, h, row_start, row_end, types.uint16(0), tid, THREADS)
             return
 
         smem = cuda.shared.array(0, types.uint16)
@@ -111,11 +85,8 @@ def build(D, tiles, storage):
         for half in range(2):
             m_i[half] = NEG_INF
             l_i[half] = ZERO
-        # ldmatrix row addresses: lane l serves row (l % 8) of matrix l // 8.
-        a_row, a_col = lane % 16, (lane // 16) * 8  # A (Q): matrices (rows 0-7 | 8-15) x (cols 0-7 | 8-15)
-        b_row, b_col = lane % 8 + (lane // 16) * 8, ((lane // 8) % 2) * 8  # B of two n-tiles (K rows)
-        v_row, v_col = lane % 8 + ((lane // 8) % 2) * 8, (lane // 16) * 8  # B of P V, transposed (V rows)
-        q_base = Q_AT + (warp * 16 + a_row) * LD + a_col
+        a_off, b_off, t_off = lane_offsets(lane, LD)
+        q_at = Q_AT + warp * 16 * LD + a_off
 
         for it in range(ntiles):
             n_start = n_first + it * BLOCK_N
@@ -131,17 +102,7 @@ def build(D, tiles, storage):
                 cp_async_wait_all()
             cuda.syncthreads()  # every thread's copies of this tile (and of Q) are visible
 
-            for j in range(NT):
-                for x in range(4):
-                    s[j, x] = ZERO
-            for kk in range(KS):
-                a0, a1, a2, a3 = ldmatrix_x4(smem, q_base + kk * 16)
-                for jp in range(NT // 2):
-                    b0, b1, b2, b3 = ldmatrix_x4(smem, k_base + (jp * 16 + b_row) * LD + kk * 16 + b_col)
-                    s[2 * jp, 0], s[2 * jp, 1], s[2 * jp, 2], s[2 * jp, 3] = mma(
-                        a0, a1, a2, a3, b0, b1, s[2 * jp, 0], s[2 * jp, 1], s[2 * jp, 2], s[2 * jp, 3])
-                    s[2 * jp + 1, 0], s[2 * jp + 1, 1], s[2 * jp + 1, 2], s[2 * jp + 1, 3] = mma(
-                        a0, a1, a2, a3, b2, b3, s[2 * jp + 1, 0], s[2 * jp + 1, 1], s[2 * jp + 1, 2], s[2 * jp + 1, 3])
+            scores(s, smem, q_at, k_base + b_off)
 
             if not masks.tile_is_full(row_start, row_end, n_start, n_start + BLOCK_N, seqlen_q, seqlen_k, left, right):
                 for half in range(2):
@@ -173,37 +134,20 @@ def build(D, tiles, storage):
                     acc[j, 2 * half] *= alpha
                     acc[j, 2 * half + 1] *= alpha
 
-            # O += P V: S's accumulators for key n-tiles 2ks, 2ks + 1 are P's A fragment for k-step ks.
-            for ks in range(PS):
-                a0 = pack(s[2 * ks, 0], s[2 * ks, 1])
-                a1 = pack(s[2 * ks, 2], s[2 * ks, 3])
-                a2 = pack(s[2 * ks + 1, 0], s[2 * ks + 1, 1])
-                a3 = pack(s[2 * ks + 1, 2], s[2 * ks + 1, 3])
-                for dp in range(DT // 2):
-                    b0, b1, b2, b3 = ldmatrix_x4_trans(smem, v_base + (ks * 16 + v_row) * LD + dp * 16 + v_col)
-                    acc[2 * dp, 0], acc[2 * dp, 1], acc[2 * dp, 2], acc[2 * dp, 3] = mma(
-                        a0, a1, a2, a3, b0, b1, acc[2 * dp, 0], acc[2 * dp, 1], acc[2 * dp, 2], acc[2 * dp, 3])
-                    acc[2 * dp + 1, 0], acc[2 * dp + 1, 1], acc[2 * dp + 1, 2], acc[2 * dp + 1, 3] = mma(
-                        a0, a1, a2, a3, b2, b3,
-                        acc[2 * dp + 1, 0], acc[2 * dp + 1, 1], acc[2 * dp + 1, 2], acc[2 * dp + 1, 3])
+            accumulate(acc, s, smem, v_base + t_off)  # O += P V, P rounded to 16 bits
             cuda.syncthreads()  # this stage is free for the copy issued at the top of the next iteration
 
         # One normalization at the end; O and LSE written once.
+        l_row = cuda.local.array(2, types.float32)
+        inv = cuda.local.array(2, types.float32)
         for half in range(2):
-            l_row = group_sum(l_i[half], 4)
+            l_row[half] = group_sum(l_i[half], 4)
+            inv[half] = ONE / l_row[half] if l_row[half] > ZERO else ZERO
+        write_out(out, b, row_start + warp * 16, h, acc, inv, g, t)
+        for half in range(2):
             row = row_start + warp * 16 + g + 8 * half
-            if row < seqlen_q:
-                inv = ONE / l_row if l_row > ZERO else ZERO
-                for j in range(DT):
-                    col = 8 * j + 2 * t
-                    word = pack(acc[j, 2 * half] * inv, acc[j, 2 * half + 1] * inv)
-                    if col < headdim:
-                        out[b, row, h, col] = types.uint16(word & 0xFFFF)
-                    if col + 1 < headdim:
-                        out[b, row, h, col + 1] = types.uint16(word >> 16)
-                if t == 0:
-                    lse[b, h, row] = ((m_i[half] * scale_log2 + math.log2(l_row)) * LN2
-                                      if l_row > ZERO else NEG_INF)
+            if row < seqlen_q and t == 0:
+                lse[b, h, row] = ((m_i[half] * scale_log2 + math.log2(l_row[half])) * LN2
+                                  if l_row[half] > ZERO else NEG_INF)
 
-    device_function(stage)
     return attention_forward_mma, signature

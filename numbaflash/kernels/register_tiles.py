@@ -13,7 +13,6 @@ kernels a patch is indexed by constants only and stays in registers.
 from .intrinsics import device_function, load2, load4
 
 
-
 @device_function
 def _load1(arr, index):
     return (arr[index],)
@@ -141,12 +140,14 @@ def patch_writer(TD, VV, COLS_T, from_acc):
     return device_function(write)
 
 
+@device_function
 def fill(acc, rows, cols, value):
     for i in range(rows):
         for j in range(cols):
             acc[i, j] = value
 
 
+@device_function
 def add_tile(acc, tile, rows, cols):
     """acc += tile: the second level of a two-level sum.
 
@@ -158,7 +159,3 @@ def add_tile(acc, tile, rows, cols):
     for i in range(rows):
         for j in range(cols):
             acc[i, j] += tile[i, j]
-
-
-fill = device_function(fill)
-add_tile = device_function(add_tile)

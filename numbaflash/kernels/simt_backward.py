@@ -29,7 +29,7 @@ from numba.cuda.np.numpy_support import from_dtype
 
 from .. import masks
 from . import elements
-from .intrinsics import group_sum
+from .intrinsics import device_function, group_sum
 from .register_tiles import fill, in_parts, outer_product, patch_writer, stagers, vector_width
 
 PREPROCESS_ROWS = 8  # query rows per block of the preprocess kernel: one warp each
@@ -70,6 +70,26 @@ def _signature(storage, n_outputs):
             + (ACC, types.int64, types.int64, types.boolean))
 
 
+def _row_statistics(ROWS, ACC):
+    """``load(lse2, dsum, lse, delta, b, h, row0)``: the base-2 LSE and D of rows ``row0 .. row0 + ROWS - 1``.
+
+    Rows past the sequence, or that saw no key (LSE = -inf), get lse2 = +inf, so P = exp2(s - inf) = 0.
+    """
+    ZERO, INF, LOG2E_ = ACC(0), ACC(np.inf), ACC(LOG2E)
+
+    def load(lse2, dsum, lse, delta, b, h, row0):
+        for a in range(ROWS):
+            row = row0 + a
+            lse2[a] = INF
+            dsum[a] = ZERO
+            if row < lse.shape[2]:
+                if lse[b, h, row] != -INF:
+                    lse2[a] = lse[b, h, row] * LOG2E_
+                dsum[a] = delta[b, h, row]
+
+    return device_function(load)
+
+
 def build_preprocess(D, tiles, storage):
     """D[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d], one warp per row (coalesced along d)."""
     ACC, to_acc, _ = elements.codec(storage)
@@ -101,12 +121,13 @@ def build_dkdv(D, tiles, storage):
     TD = D // COLS_T
     VV = vector_width(TD, acc_bytes)
     (LDK, LDQ, LDP), (K_AT, V_AT, Q_AT, DO_AT, P_AT, DS_AT, END) = layout_dkdv(D, tiles)
-    ZERO, ONE, INF, LN2, LOG2E_ = ACC(0), ACC(1), ACC(np.inf), ACC(math.log(2.0)), ACC(LOG2E)
+    ZERO, ONE, LN2 = ACC(0), ACC(1), ACC(math.log(2.0))
     stage_kv_t, _ = stagers(BLOCK_K, D, THREADS, ZERO, to_acc)
     stage_q_t, stage_q_n = stagers(BLOCK_Q, D, THREADS, ZERO, to_acc)
     scores_patch = in_parts(outer_product(TK, TQ, 1, 0), 32)  # S^T = K Q^T, dP^T = V dO^T over the head dim
     grad_patch = in_parts(outer_product(TK, VV, TD // VV, COLS_T * VV), BLOCK_Q)  # dV += P^T dO, dK += dS^T Q
     write_row = patch_writer(TD, VV, COLS_T, from_acc)
+    load_rows = _row_statistics(TQ, ACC)
 
     def attention_backward_dkdv(q, k, v, dout, lse, delta, dk, dv, scale_log2, left, right, vec):
         # q, dout: (batch, seqlen_q, nheads, headdim); k, v, dk, dv: (batch, seqlen_k, nheads_kv, headdim)
@@ -147,15 +168,7 @@ def build_dkdv(D, tiles, storage):
                     cuda.syncthreads()  # the previous tile's products are done with every buffer
                     stage_q_t(q_buf, LDQ, q, b, q_start, h, scale_log2, tid, vec)
                     stage_q_t(do_buf, LDQ, dout, b, q_start, h, ONE, tid, vec)
-                    for bb in range(TQ):
-                        row = q_start + c * TQ + bb
-                        # Rows past the sequence, or that saw no key (LSE = -inf), get P = exp2(s - inf) = 0.
-                        lse2[bb] = INF
-                        dsum[bb] = ZERO
-                        if row < seqlen_q:
-                            if lse[b, h, row] != -INF:
-                                lse2[bb] = lse[b, h, row] * LOG2E_
-                            dsum[bb] = delta[b, h, row]
+                    load_rows(lse2, dsum, lse, delta, b, h, q_start + c * TQ)
                     cuda.syncthreads()  # Q^T and dO^T are complete
 
                     fill(s, TK, TQ, ZERO)
@@ -197,12 +210,13 @@ def build_dq(D, tiles, storage):
     TD = D // COLS_T
     VV = vector_width(TD, acc_bytes)
     (LDQ, LDK, LDD), (Q_AT, DO_AT, K_AT, V_AT, DS_AT, END) = layout_dq(D, tiles)
-    ZERO, ONE, INF, LN2, LOG2E_ = ACC(0), ACC(1), ACC(np.inf), ACC(math.log(2.0)), ACC(LOG2E)
+    ZERO, ONE, LN2 = ACC(0), ACC(1), ACC(math.log(2.0))
     stage_q_t, _ = stagers(BLOCK_M, D, THREADS, ZERO, to_acc)
     stage_k_t, stage_k_n = stagers(BLOCK_N, D, THREADS, ZERO, to_acc)
     scores_patch = in_parts(outer_product(TM, TN, 1, 0), 32)  # S = Q K^T, dP = dO V^T over the head dim
     grad_patch = in_parts(outer_product(TM, VV, TD // VV, COLS_T * VV), BLOCK_N)  # dQ += dS K over the keys
     write_row = patch_writer(TD, VV, COLS_T, from_acc)
+    load_rows = _row_statistics(TM, ACC)
 
     def attention_backward_dq(q, k, v, dout, lse, delta, dq, scale_log2, left, right, vec):
         # q, dout, dq: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim)
@@ -232,14 +246,7 @@ def build_dq(D, tiles, storage):
             part = cuda.local.array((TM, TN), ACC)
             lse2 = cuda.local.array(TM, ACC)
             dsum = cuda.local.array(TM, ACC)
-            for a in range(TM):
-                row = row_start + r * TM + a
-                lse2[a] = INF
-                dsum[a] = ZERO
-                if row < seqlen_q:
-                    if lse[b, h, row] != -INF:
-                        lse2[a] = lse[b, h, row] * LOG2E_
-                    dsum[a] = delta[b, h, row]
+            load_rows(lse2, dsum, lse, delta, b, h, row_start + r * TM)
 
             for n_start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
                 cuda.syncthreads()  # the previous tile's dQ product is done with K; Q^T, dO^T complete

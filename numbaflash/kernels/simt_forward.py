@@ -20,6 +20,7 @@ from numba.cuda.np.numpy_support import from_dtype
 
 from .. import masks
 from . import elements
+from .hidden_rows import write_hidden_rows
 from .intrinsics import group_max, group_sum
 from .register_tiles import fill, in_parts, outer_product, patch_writer, stagers, vector_width
 
@@ -63,7 +64,7 @@ def build(D, tiles, storage):
     def attention_forward(q, k, v, out, lse, scale_log2, left, right, vec):
         # q, out: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim)
         # lse: (batch, nheads, seqlen_q)
-        seqlen_q, seqlen_k, headdim = q.shape[1], k.shape[1], q.shape[3]
+        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         h, b = cuda.blockIdx.y, cuda.blockIdx.z
         hk = h // (q.shape[2] // k.shape[2])
         tid = cuda.threadIdx.x
@@ -72,12 +73,8 @@ def build(D, tiles, storage):
         row_end = min(row_start + BLOCK_M, seqlen_q)
         lo, hi = masks.block_key_range(row_start, row_end, seqlen_q, seqlen_k, left, right)
 
-        if lo >= hi:  # the mask hides every key from these rows: O = 0, LSE = -inf, nothing loaded
-            for e in range(tid, (row_end - row_start) * headdim, THREADS):
-                i = e // headdim
-                out[b, row_start + i, h, e - i * headdim] = from_acc(ZERO)
-                if e - i * headdim == 0:
-                    lse[b, h, row_start + i] = NEG_INF
+        if lo >= hi:  # the mask hides every key from these rows
+            write_hidden_rows(out, lse, b, h, row_start, row_end, from_acc(ZERO), tid, THREADS)
             return
 
         smem = cuda.shared.array(0, ACC)

@@ -1,0 +1,290 @@
+"""Kernel v2 backward: FlashAttention-2's gradients on the tensor cores (mma.sync m16n8k16), float16 and bfloat16.
+
+The schedule of the CUDA-core backward (`simt_backward`), deterministic, with no atomics: D =
+rowsum(dO * O) by its preprocess kernel (shared), then two tensor-core kernels.
+
+* ``dkdv``: one block per (key block, kv head, batch element); each warp owns 16 keys. K and V stay in
+  shared memory while query tiles (Q, dO, and the rows' LSE and D) stream past, double-buffered with
+  cp.async, for every query head of the GQA group in a fixed order. Per tile a warp computes
+  S^T = K Q^T, P^T = exp2(S^T scale log2(e) - LSE), dV += P^T dO, dP^T = V dO^T,
+  dS^T = P^T (dP^T - D) and dK += dS^T Q, all in registers: P^T and dS^T are repacked as the A
+  operands of the next product (`mma_tiles`), and no score tile touches shared memory.
+* ``dq``: one block per (query block, head, batch element); each warp owns 16 query rows, whose LSE and
+  D sit in registers; K and V tiles stream past (double-buffered): S = Q K^T, dP = dO V^T,
+  dS = P (dP - D), dQ += dS K.
+
+Registers bound the design: a warp keeps its 16 x D dK and dV (or dQ) fragments for the whole kernel,
+and a streamed tile is processed ``CHUNK`` columns at a time so that its S and dP fragments fit beside
+them (`chunk`). At headdim 256, dK and dV alone would take 256 registers per thread: the plan sends
+that head dim to the CUDA-core backward. P and dS are rounded to 16 bits as mma operands (as in
+flash-attn); LSE, D and every accumulator are float32.
+"""
+
+import math
+
+import numpy as np
+from numba import cuda, types
+
+from .. import masks
+from .intrinsics import cp_async_commit, cp_async_wait_all, cp_async_wait_one, device_function, ex2
+from .mma_tiles import fragment_writer, lane_offsets, products, row_stride, stager
+
+LOG2E = math.log2(math.e)
+MAX_HEADDIM = 128  # dK and dV fragments: 2 x D / 2 float32 registers per thread
+
+
+def chunk(D, block_n):
+    """Columns of a streamed tile per S/dP fragment (16 x CHUNK per warp).
+
+    32 measured fastest on the H200 (fp16 backward, N = 4096, TFLOP/s for chunks of 16 / 32 / 64): 114 /
+    120 / 113 at headdim 64, 120 / 140 / - at 128, where 32 keeps the dK/dV kernel at 254 registers
+    with no local memory. Smaller chunks re-read K and V (or Q and dO) from shared memory more often;
+    larger ones cost registers and occupancy.
+    """
+    return min(block_n, 32)
+
+
+def layout_dkdv(D, tiles):
+    """Offsets (halves): LSE and D of two query tiles (float32), K and V (block_m rows), Q and dO (two stages)."""
+    ld = row_stride(D)
+    sizes = (2 * 2 * tiles.block_n * 2, tiles.block_m * ld, tiles.block_m * ld, 2 * tiles.block_n * ld,
+             2 * tiles.block_n * ld)
+    return tuple(sum(sizes[:i]) for i in range(len(sizes) + 1))
+
+
+def layout_dq(D, tiles):
+    """Offsets (halves): Q and dO (block_m rows), K and V (two stages of block_n rows)."""
+    ld = row_stride(D)
+    sizes = (tiles.block_m * ld, tiles.block_m * ld, 2 * tiles.block_n * ld, 2 * tiles.block_n * ld)
+    return tuple(sum(sizes[:i]) for i in range(len(sizes) + 1))
+
+
+def smem_elements_dkdv(D, tiles):
+    return layout_dkdv(D, tiles)[-1]
+
+
+def smem_elements_dq(D, tiles):
+    return layout_dq(D, tiles)[-1]
+
+
+def _signature(n_outputs):
+    bits = types.Array(types.uint16, 4, "A")
+    stat = types.Array(types.float32, 3, "A")
+    return (bits,) * 4 + (stat, stat) + (bits,) * n_outputs + (types.float32, types.int64, types.int64, types.boolean)
+
+
+@device_function
+def row_statistics(lse, delta, b, h, row):
+    """The base-2 LSE and D of query ``row``; a row past the sequence, or that saw no key (LSE = -inf),
+    gets LSE = +inf, so that P = exp2(s - inf) = 0, and D = 0."""
+    lse2, dsum = types.float32(np.inf), types.float32(0)
+    if row < lse.shape[2]:
+        if lse[b, h, row] != -np.inf:
+            lse2 = lse[b, h, row] * types.float32(LOG2E)
+        dsum = delta[b, h, row]
+    return lse2, dsum
+
+
+def build_dkdv(D, tiles, storage):
+    BLOCK_M, BLOCK_N, WARPS = tiles.block_m, tiles.block_n, tiles.warps  # keys per block, queries per tile
+    THREADS, LD, CHUNK = 32 * WARPS, row_stride(D), chunk(D, tiles.block_n)
+    assert 2 * BLOCK_N <= THREADS, "one thread per staged statistic"
+    STATS_AT, K_AT, V_AT, Q_AT, DO_AT, END = layout_dkdv(D, tiles)
+    NT, DT = CHUNK // 8, D // 8
+    stage = stager(D, THREADS)
+    scores, accumulate = products(CHUNK, D, storage)
+    write_grad = fragment_writer(D, storage)
+    ZERO, LN2 = types.float32(0), types.float32(math.log(2.0))
+
+    def attention_backward_dkdv_mma(q, k, v, dout, lse, delta, dk, dv, scale_log2, left, right, vec):
+        # q, dout: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v, dk, dv: (batch, seqlen_k, nheads_kv,
+        # headdim); lse, delta: (batch, nheads, seqlen_q)
+        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+        group = q.shape[2] // k.shape[2]
+        hk, b = cuda.blockIdx.y, cuda.blockIdx.z
+        tid = cuda.threadIdx.x
+        warp, lane = tid // 32, tid % 32
+        g, t = lane >> 2, lane & 3
+        key_start = cuda.blockIdx.x * BLOCK_M
+        key_end = min(key_start + BLOCK_M, seqlen_k)
+        q_lo, q_hi = masks.query_range(key_start, key_end, seqlen_q, seqlen_k, left, right)
+
+        dk_acc = cuda.local.array((DT, 4), types.float32)  # 16 keys x D per warp
+        dv_acc = cuda.local.array((DT, 4), types.float32)
+        for j in range(DT):
+            for x in range(4):
+                dk_acc[j, x] = ZERO
+                dv_acc[j, x] = ZERO
+        a_off, b_off, t_off = lane_offsets(lane, LD)
+
+        if q_lo < q_hi:  # block-uniform: no query sees these keys otherwise, and dK = dV = 0
+            smem = cuda.shared.array(0, types.uint16)
+            stats = cuda.shared.array(0, types.float32)  # the same memory: two stages of (LSE, D) x BLOCK_N
+            q_first = (q_lo // BLOCK_N) * BLOCK_N
+            per_head = (q_hi - q_first + BLOCK_N - 1) // BLOCK_N
+            ntiles = group * per_head
+            stage(smem, K_AT, k, b, key_start, hk, BLOCK_M, tid, vec)
+            stage(smem, V_AT, v, b, key_start, hk, BLOCK_M, tid, vec)
+            stage(smem, Q_AT, q, b, q_first, hk * group, BLOCK_N, tid, vec)
+            stage(smem, DO_AT, dout, b, q_first, hk * group, BLOCK_N, tid, vec)
+            cp_async_commit()
+            if tid < 2 * BLOCK_N:
+                lse2, dsum = row_statistics(lse, delta, b, hk * group, q_first + tid % BLOCK_N)
+                stats[tid] = lse2 if tid < BLOCK_N else dsum
+            k_at = K_AT + warp * 16 * LD + a_off
+            v_at = V_AT + warp * 16 * LD + a_off
+            s = cuda.local.array((NT, 4), types.float32)  # S^T, then P^T: 16 keys x CHUNK queries per warp
+            dp = cuda.local.array((NT, 4), types.float32)  # dP^T, then dS^T
+
+            for it in range(ntiles):
+                q_start = q_first + (it % per_head) * BLOCK_N
+                at = (it % 2) * BLOCK_N * LD
+                st = (it % 2) * 2 * BLOCK_N
+                next_stat = ZERO
+                if it + 1 < ntiles:
+                    # The other stage was last read in the previous iteration, which ended with a barrier.
+                    h_next = hk * group + (it + 1) // per_head
+                    q_next = q_first + ((it + 1) % per_head) * BLOCK_N
+                    stage(smem, Q_AT + BLOCK_N * LD - at, q, b, q_next, h_next, BLOCK_N, tid, vec)
+                    stage(smem, DO_AT + BLOCK_N * LD - at, dout, b, q_next, h_next, BLOCK_N, tid, vec)
+                    cp_async_commit()
+                    # The next tile's LSE and D go to registers now and to shared memory after this
+                    # tile's products, so the load's latency hides behind them.
+                    if tid < 2 * BLOCK_N:
+                        lse2, dsum = row_statistics(lse, delta, b, h_next, q_next + tid % BLOCK_N)
+                        next_stat = lse2 if tid < BLOCK_N else dsum
+                    cp_async_wait_one()  # this tile has landed; the next may still be in flight
+                else:
+                    cp_async_wait_all()
+                cuda.syncthreads()  # every thread's copies and statistics of this tile are visible
+
+                for c0 in range(0, BLOCK_N, CHUNK):
+                    c_start = q_start + c0
+                    if c_start < q_hi and c_start + CHUNK > q_lo:  # block-uniform: the chunk meets a visible row
+                        scores(s, smem, k_at, Q_AT + at + c0 * LD + b_off)
+                        full = masks.tile_is_full(c_start, min(c_start + CHUNK, seqlen_q), key_start,
+                                                  key_start + BLOCK_M, seqlen_q, seqlen_k, left, right)
+                        for j in range(NT):
+                            for e in range(2):
+                                col = c0 + 8 * j + 2 * t + e
+                                lo_q, hi_q = masks.key_range(q_start + col, seqlen_q, seqlen_k, left, right)
+                                for half in range(2):
+                                    key = key_start + warp * 16 + g + 8 * half
+                                    p = ZERO
+                                    if full or (key >= lo_q and key < hi_q):
+                                        p = ex2(s[j, 2 * half + e] * scale_log2 - stats[st + col])
+                                    s[j, 2 * half + e] = p
+                        accumulate(dv_acc, s, smem, DO_AT + at + c0 * LD + t_off)  # dV += P^T dO
+                        scores(dp, smem, v_at, DO_AT + at + c0 * LD + b_off)
+                        for j in range(NT):
+                            for e in range(2):
+                                dsum = stats[st + BLOCK_N + c0 + 8 * j + 2 * t + e]
+                                for half in range(2):
+                                    dp[j, 2 * half + e] = s[j, 2 * half + e] * (dp[j, 2 * half + e] - dsum)
+                        accumulate(dk_acc, dp, smem, Q_AT + at + c0 * LD + t_off)  # dK += dS^T Q
+                if it + 1 < ntiles and tid < 2 * BLOCK_N:
+                    stats[2 * BLOCK_N - st + tid] = next_stat
+                cuda.syncthreads()  # this stage is free for the copies issued at the top of the next iteration
+
+        # dK = scale dS^T Q with scale = scale_log2 ln(2); the rows past seqlen_k are dropped.
+        scale = cuda.local.array(2, types.float32)
+        ones = cuda.local.array(2, types.float32)
+        for half in range(2):
+            scale[half] = scale_log2 * LN2
+            ones[half] = types.float32(1)
+        write_grad(dk, b, key_start + warp * 16, hk, dk_acc, scale, g, t)
+        write_grad(dv, b, key_start + warp * 16, hk, dv_acc, ones, g, t)
+
+    return attention_backward_dkdv_mma, _signature(2)
+
+
+def build_dq(D, tiles, storage):
+    BLOCK_M, BLOCK_N, WARPS = tiles.block_m, tiles.block_n, tiles.warps  # queries per block, keys per tile
+    THREADS, LD, CHUNK = 32 * WARPS, row_stride(D), chunk(D, tiles.block_n)
+    Q_AT, DO_AT, K_AT, V_AT, END = layout_dq(D, tiles)
+    NT, DT = CHUNK // 8, D // 8
+    stage = stager(D, THREADS)
+    scores, accumulate = products(CHUNK, D, storage)
+    write_grad = fragment_writer(D, storage)
+    ZERO, LN2 = types.float32(0), types.float32(math.log(2.0))
+
+    def attention_backward_dq_mma(q, k, v, dout, lse, delta, dq, scale_log2, left, right, vec):
+        # q, dout, dq: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v: (batch, seqlen_k, nheads_kv,
+        # headdim); lse, delta: (batch, nheads, seqlen_q)
+        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+        h, b = cuda.blockIdx.y, cuda.blockIdx.z
+        hk = h // (q.shape[2] // k.shape[2])
+        tid = cuda.threadIdx.x
+        warp, lane = tid // 32, tid % 32
+        g, t = lane >> 2, lane & 3
+        row_start = cuda.blockIdx.x * BLOCK_M
+        row_end = min(row_start + BLOCK_M, seqlen_q)
+        lo, hi = masks.block_key_range(row_start, row_end, seqlen_q, seqlen_k, left, right)
+
+        dq_acc = cuda.local.array((DT, 4), types.float32)  # 16 rows x D per warp
+        for j in range(DT):
+            for x in range(4):
+                dq_acc[j, x] = ZERO
+        a_off, b_off, t_off = lane_offsets(lane, LD)
+
+        if lo < hi:  # block-uniform: these rows see no key otherwise, and dQ = 0
+            smem = cuda.shared.array(0, types.uint16)
+            n_first = (lo // BLOCK_N) * BLOCK_N
+            ntiles = (hi - n_first + BLOCK_N - 1) // BLOCK_N
+            stage(smem, Q_AT, q, b, row_start, h, BLOCK_M, tid, vec)
+            stage(smem, DO_AT, dout, b, row_start, h, BLOCK_M, tid, vec)
+            stage(smem, K_AT, k, b, n_first, hk, BLOCK_N, tid, vec)
+            stage(smem, V_AT, v, b, n_first, hk, BLOCK_N, tid, vec)
+            cp_async_commit()
+            lse2 = cuda.local.array(2, types.float32)  # rows g and g + 8 of the warp's 16
+            dsum = cuda.local.array(2, types.float32)
+            lo_r = cuda.local.array(2, types.int64)
+            hi_r = cuda.local.array(2, types.int64)
+            for half in range(2):
+                row = row_start + warp * 16 + g + 8 * half
+                lse2[half], dsum[half] = row_statistics(lse, delta, b, h, row)
+                lo_r[half], hi_r[half] = masks.key_range(row, seqlen_q, seqlen_k, left, right)
+            q_at = Q_AT + warp * 16 * LD + a_off
+            do_at = DO_AT + warp * 16 * LD + a_off
+            s = cuda.local.array((NT, 4), types.float32)  # S, then P: 16 rows x CHUNK keys per warp
+            dp = cuda.local.array((NT, 4), types.float32)  # dP, then dS
+
+            for it in range(ntiles):
+                n_start = n_first + it * BLOCK_N
+                at = (it % 2) * BLOCK_N * LD
+                if it + 1 < ntiles:
+                    # The other stage was last read in the previous iteration, which ended with a barrier.
+                    stage(smem, K_AT + BLOCK_N * LD - at, k, b, n_start + BLOCK_N, hk, BLOCK_N, tid, vec)
+                    stage(smem, V_AT + BLOCK_N * LD - at, v, b, n_start + BLOCK_N, hk, BLOCK_N, tid, vec)
+                    cp_async_commit()
+                    cp_async_wait_one()  # this tile has landed; the next may still be in flight
+                else:
+                    cp_async_wait_all()
+                cuda.syncthreads()  # every thread's copies of this tile (and of Q, dO) are visible
+
+                for c0 in range(0, BLOCK_N, CHUNK):
+                    c_start = n_start + c0
+                    if c_start < hi and c_start + CHUNK > lo:  # block-uniform: the chunk meets a visible key
+                        scores(s, smem, q_at, K_AT + at + c0 * LD + b_off)
+                        scores(dp, smem, do_at, V_AT + at + c0 * LD + b_off)
+                        full = masks.tile_is_full(row_start, row_end, c_start, c_start + CHUNK, seqlen_q, seqlen_k,
+                                                  left, right)
+                        for half in range(2):
+                            for j in range(NT):
+                                for e in range(2):
+                                    key = c_start + 8 * j + 2 * t + e
+                                    ds = ZERO
+                                    if full or (key >= lo_r[half] and key < hi_r[half]):
+                                        p = ex2(s[j, 2 * half + e] * scale_log2 - lse2[half])
+                                        ds = p * (dp[j, 2 * half + e] - dsum[half])
+                                    dp[j, 2 * half + e] = ds
+                        accumulate(dq_acc, dp, smem, K_AT + at + c0 * LD + t_off)  # dQ += dS K
+                cuda.syncthreads()  # this stage is free for the copies issued at the top of the next iteration
+
+        # dQ = scale dS K with scale = scale_log2 ln(2); the rows past seqlen_q are dropped.
+        scale = cuda.local.array(2, types.float32)
+        for half in range(2):
+            scale[half] = scale_log2 * LN2
+        write_grad(dq, b, row_start + warp * 16, h, dq_acc, scale, g, t)
+
+    return attention_backward_dq_mma, _signature(1)
