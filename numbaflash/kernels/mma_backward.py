@@ -28,6 +28,7 @@ from numba import cuda, types
 from .. import masks
 from .intrinsics import cp_async_commit, cp_async_wait_all, cp_async_wait_one, device_function, ex2
 from .mma_tiles import fragment_writer, lane_offsets, products, row_stride, stager
+from .register_tiles import fill
 
 LOG2E = math.log2(math.e)
 MAX_HEADDIM = 128  # dK and dV fragments: 2 x D / 2 float32 registers per thread
@@ -111,10 +112,8 @@ def build_dkdv(D, tiles, storage):
 
         dk_acc = cuda.local.array((DT, 4), types.float32)  # 16 keys x D per warp
         dv_acc = cuda.local.array((DT, 4), types.float32)
-        for j in range(DT):
-            for x in range(4):
-                dk_acc[j, x] = ZERO
-                dv_acc[j, x] = ZERO
+        fill(dk_acc, DT, 4, ZERO)
+        fill(dv_acc, DT, 4, ZERO)
         a_off, b_off, t_off = lane_offsets(lane, LD)
 
         if q_lo < q_hi:  # block-uniform: no query sees these keys otherwise, and dK = dV = 0
@@ -222,9 +221,7 @@ def build_dq(D, tiles, storage):
         lo, hi = masks.block_key_range(row_start, row_end, seqlen_q, seqlen_k, left, right)
 
         dq_acc = cuda.local.array((DT, 4), types.float32)  # 16 rows x D per warp
-        for j in range(DT):
-            for x in range(4):
-                dq_acc[j, x] = ZERO
+        fill(dq_acc, DT, 4, ZERO)
         a_off, b_off, t_off = lane_offsets(lane, LD)
 
         if lo < hi:  # block-uniform: these rows see no key otherwise, and dQ = 0

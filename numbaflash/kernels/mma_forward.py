@@ -21,6 +21,7 @@ from .. import masks
 from .hidden_rows import write_hidden_rows
 from .intrinsics import cp_async_commit, cp_async_wait_all, cp_async_wait_one, ex2, group_max, group_sum
 from .mma_tiles import fragment_writer, lane_offsets, products, row_stride, stager
+from .register_tiles import fill
 
 
 def layout(D, tiles):
@@ -79,9 +80,7 @@ def build(D, tiles, storage):
         s = cuda.local.array((NT, 4), types.float32)  # S fragments: 16 rows x BLOCK_N per warp
         m_i = cuda.local.array(2, types.float32)  # rows g and g + 8 of the warp's 16
         l_i = cuda.local.array(2, types.float32)
-        for j in range(DT):
-            for x in range(4):
-                acc[j, x] = ZERO
+        fill(acc, DT, 4, ZERO)
         for half in range(2):
             m_i[half] = NEG_INF
             l_i[half] = ZERO

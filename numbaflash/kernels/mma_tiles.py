@@ -24,6 +24,7 @@ from numba import types
 
 from .intrinsics import (cp_async_16, device_function, ldmatrix_x4, ldmatrix_x4_trans, mma_bf16, mma_f16, pack_bf16,
                          pack_f16)
+from .register_tiles import fill
 
 
 def row_stride(D):
@@ -84,9 +85,7 @@ def products(N, D, storage):
     @device_function
     def scores(s, smem, a_at, b_at):
         # s: (N / 8, 4) fragments; a_at, b_at: tile bases plus the lane's A and B offsets
-        for j in range(NT):
-            for x in range(4):
-                s[j, x] = ZERO
+        fill(s, NT, 4, ZERO)
         for kk in range(KS):
             a0, a1, a2, a3 = ldmatrix_x4(smem, a_at + kk * 16)
             for jp in range(NT // 2):
