@@ -237,13 +237,13 @@ def make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, back
     from .kernels import mma_backward, simt_backward, simt_forward
 
     device = current_device() if device is None else device
-    sizes = (batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, device, tiles)
-    requested = tiles
+    shape = dict(batch=batch, nheads=nheads, nheads_kv=nheads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                 headdim=headdim, dtype=dtype)
     if uses_tensor_cores(dtype, device) and (tiles is None or isinstance(tiles, MmaTiles)):
         if not backward:
-            return _mma_forward_plan(*sizes)
+            return _mma_forward_plan(shape, device, tiles)
         if headdim <= mma_backward.MAX_HEADDIM:
-            return _mma_backward_plan(*sizes)
+            return _mma_backward_plan(shape, device, tiles)
     acc = accumulator(dtype)
     acc_bytes = DTYPE_BYTES[acc]
     D = headdim_bucket(headdim)
@@ -252,22 +252,15 @@ def make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, back
         smem_of = lambda t: (simt_backward.smem_elements_dkdv(D, t), simt_backward.smem_elements_dq(D, t))
     else:
         smem_of = lambda t: (simt_forward.smem_elements(D, t),)
-    tiles = tiles or _choose(direction, acc, D, acc_bytes, device, smem_of)
-    smem = [n * acc_bytes for n in smem_of(tiles)]
-    bm, bn = tiles.block_m, tiles.block_n
+    chosen = tiles or _choose(direction, acc, D, acc_bytes, device, smem_of)
+    smem = [n * acc_bytes for n in smem_of(chosen)]
+    bm, bn = chosen.block_m, chosen.block_n
     if backward:
-        launches = (
-            Launch("simt_backward_preprocess", (_cdiv(seqlen_q, simt_backward.PREPROCESS_ROWS), nheads, batch),
-                   32 * simt_backward.PREPROCESS_ROWS, 0),
-            Launch("simt_backward_dkdv", (_cdiv(seqlen_k, bm), nheads_kv, batch), tiles.threads, smem[0]),
-            Launch("simt_backward_dq", (_cdiv(seqlen_q, bm), nheads, batch), tiles.threads, smem[1]),
-        )
         registers = acc_bytes * (2 * bm * D + 2 * bm * bn + 2 * bn)  # dK, dV or dQ accumulators, S and dP
     else:
-        launches = (Launch("simt_forward", (_cdiv(seqlen_q, bm), nheads, batch), tiles.threads, smem[0]),)
         registers = acc_bytes * (bm * D + bm * bn + 2 * bm)  # O accumulator, S, m and l
     if dtype in ("float16", "bfloat16") and uses_tensor_cores(dtype, device):
-        why = ("CUDA-core tiles were requested" if requested is not None else
+        why = ("CUDA-core tiles were requested" if tiles is not None else
                f"headdim {headdim} > {mma_backward.MAX_HEADDIM}: the tensor-core backward keeps a warp's 16 x headdim "
                "dK and dV in registers, which do not fit past 128")
     elif dtype in ("float16", "bfloat16"):
@@ -277,11 +270,29 @@ def make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, back
         why = f"{dtype} runs on the CUDA cores (the tensor-core kernels take float16 and bfloat16)"
     reason = (f"{why}; accumulates in {acc}, head dims padded to 32, 64, 128 or 256"
               + ("; the simulator plan uses small blocks" if device.simulator else ""))
-    return Plan(
-        kernel="simt_backward" if backward else "simt_forward", reason=reason, direction=direction, dtype=dtype,
-        device=device.name, batch=batch, nheads=nheads, nheads_kv=nheads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-        headdim=headdim, headdim_padded=D, tiles=tiles, launches=launches, sram_bytes=max(smem) + registers,
-    )
+    return _plan("simt_" + direction, reason, shape, device, D, chosen, smem, registers)
+
+
+def _plan(kernel, reason, shape, device, D, tiles, smem, registers):
+    """The `Plan` of ``kernel`` ("simt_forward", "mma_backward", ...) with its launches: one block per query
+    block (forward, dQ) or key block (dK/dV) of every head; ``smem`` bytes per launch after the preprocess."""
+    backward = kernel.endswith("backward")
+    batch, nheads, nheads_kv = shape["batch"], shape["nheads"], shape["nheads_kv"]
+    bm = tiles.block_m
+    query_blocks = (_cdiv(shape["seqlen_q"], bm), nheads, batch)
+    if backward:
+        from .kernels.simt_backward import PREPROCESS_ROWS
+
+        launches = (
+            Launch("simt_backward_preprocess", (_cdiv(shape["seqlen_q"], PREPROCESS_ROWS), nheads, batch),
+                   32 * PREPROCESS_ROWS, 0),
+            Launch(kernel + "_dkdv", (_cdiv(shape["seqlen_k"], bm), nheads_kv, batch), tiles.threads, smem[0]),
+            Launch(kernel + "_dq", query_blocks, tiles.threads, smem[1]),
+        )
+    else:
+        launches = (Launch(kernel, query_blocks, tiles.threads, smem[0]),)
+    return Plan(kernel=kernel, reason=reason, direction="backward" if backward else "forward", device=device.name,
+                headdim_padded=D, tiles=tiles, launches=launches, sram_bytes=max(smem) + registers, **shape)
 
 
 def _mma_where(device):
@@ -290,50 +301,36 @@ def _mma_where(device):
     return f"compute capability {device.compute_capability[0]}.{device.compute_capability[1]}"
 
 
-def _mma_forward_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, device, tiles):
+def _check_smem(what, smem, shape, device):
+    if max(smem) > device.smem_per_block:
+        raise ValueError(f"the tensor-core {what} needs {max(smem)} bytes of shared memory at headdim "
+                         f"{shape['headdim']}; {device.name} offers {device.smem_per_block}")
+
+
+def _mma_forward_plan(shape, device, tiles):
     from .kernels import mma_forward
 
-    D = mma_headdim_bucket(headdim)
+    D = mma_headdim_bucket(shape["headdim"])
     tiles = tiles or (SIMULATOR_MMA_TILES if device.simulator else MMA_TILES[D])
-    smem = 2 * mma_forward.smem_elements(D, tiles)
-    if smem > device.smem_per_block:
-        raise ValueError(f"the tensor-core forward needs {smem} bytes of shared memory at headdim {headdim}; "
-                         f"{device.name} offers {device.smem_per_block}")
+    smem = (2 * mma_forward.smem_elements(D, tiles),)
+    _check_smem("forward", smem, shape, device)
     registers = 4 * (tiles.block_m * D + tiles.block_m * tiles.block_n + 2 * tiles.block_m)
-    reason = f"{dtype} on {_mma_where(device)}: tensor cores, float32 accumulation; head dims padded to 16, 32, 64, 128 or 256"
-    return Plan(
-        kernel="mma_forward", reason=reason, direction="forward", dtype=dtype, device=device.name, batch=batch,
-        nheads=nheads, nheads_kv=nheads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k, headdim=headdim, headdim_padded=D,
-        tiles=tiles, launches=(Launch("mma_forward", (_cdiv(seqlen_q, tiles.block_m), nheads, batch), tiles.threads,
-                                      smem),),
-        sram_bytes=smem + registers,
-    )
+    reason = (f"{shape['dtype']} on {_mma_where(device)}: tensor cores, float32 accumulation; head dims padded to "
+              "16, 32, 64, 128 or 256")
+    return _plan("mma_forward", reason, shape, device, D, tiles, smem, registers)
 
 
-def _mma_backward_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, device, tiles):
-    from .kernels import mma_backward, simt_backward
+def _mma_backward_plan(shape, device, tiles):
+    from .kernels import mma_backward
 
-    D = mma_headdim_bucket(headdim)
+    D = mma_headdim_bucket(shape["headdim"])
     tiles = tiles or (SIMULATOR_MMA_TILES if device.simulator else MMA_BACKWARD_TILES[D])
     if tiles.block_m != tiles.block_n or tiles.block_m != 16 * tiles.warps:
         raise ValueError(f"the tensor-core backward takes square tiles of 16 rows per warp; got {tiles}")
     smem = (2 * mma_backward.smem_elements_dkdv(D, tiles), 2 * mma_backward.smem_elements_dq(D, tiles))
-    if max(smem) > device.smem_per_block:
-        raise ValueError(f"the tensor-core backward needs {max(smem)} bytes of shared memory at headdim {headdim}; "
-                         f"{device.name} offers {device.smem_per_block}")
-    bm = tiles.block_m
-    launches = (
-        Launch("simt_backward_preprocess", (_cdiv(seqlen_q, simt_backward.PREPROCESS_ROWS), nheads, batch),
-               32 * simt_backward.PREPROCESS_ROWS, 0),
-        Launch("mma_backward_dkdv", (_cdiv(seqlen_k, bm), nheads_kv, batch), tiles.threads, smem[0]),
-        Launch("mma_backward_dq", (_cdiv(seqlen_q, bm), nheads, batch), tiles.threads, smem[1]),
-    )
+    _check_smem("backward", smem, shape, device)
     chunk = mma_backward.chunk(D, tiles.block_n)
-    registers = 4 * (2 * bm * D + 2 * bm * chunk)  # dK and dV fragments, S and dP of one chunk
-    reason = (f"{dtype} on {_mma_where(device)}: tensor cores, float32 accumulation; head dims padded to 16, 32, 64 or 128; "
-              f"score tiles in chunks of {chunk} columns; D = rowsum(dO * O) on the CUDA cores")
-    return Plan(
-        kernel="mma_backward", reason=reason, direction="backward", dtype=dtype, device=device.name, batch=batch,
-        nheads=nheads, nheads_kv=nheads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k, headdim=headdim, headdim_padded=D,
-        tiles=tiles, launches=launches, sram_bytes=max(smem) + registers,
-    )
+    registers = 4 * (2 * tiles.block_m * D + 2 * tiles.block_m * chunk)  # dK and dV fragments, S and dP of a chunk
+    reason = (f"{shape['dtype']} on {_mma_where(device)}: tensor cores, float32 accumulation; head dims padded to "
+              f"16, 32, 64 or 128; score tiles in chunks of {chunk} columns; D = rowsum(dO * O) on the CUDA cores")
+    return _plan("mma_backward", reason, shape, device, D, tiles, smem, registers)

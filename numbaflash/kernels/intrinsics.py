@@ -68,8 +68,9 @@ if SIMULATOR:
             self.lock = threading.Lock()
             self.results = [None, None]  # (generation, value) of the last warp-wide result per buffer
 
-    def _exchange(value):
-        """All lanes of the calling thread's warp deposit ``value``; each gets every lane's value."""
+    def _deposit(value):
+        """Deposit ``value`` in the calling thread's warp and wait for all its lanes: every lane's values,
+        this lane, its warp and the exchange's generation."""
         thread = threading.current_thread()
         lane = thread.thread_id % 32
         warp = getattr(thread, "_numbaflash_warp", None)
@@ -89,10 +90,15 @@ if SIMULATOR:
         warp.barrier.wait()
         return slots, lane, warp, generation
 
+    def _exchange(value):
+        """All lanes of the calling thread's warp deposit ``value``; each gets every lane's value."""
+        slots, lane, _, _ = _deposit(value)
+        return slots, lane
+
     def _warp_result(value, compute):
         """Exchange ``value``; ``compute(values of all lanes)`` runs once per warp and every lane gets its
         result (a lane reads it before it can reach the exchange after next, which would reuse the slot)."""
-        slots, lane, warp, generation = _exchange(value)
+        slots, lane, warp, generation = _deposit(value)
         with warp.lock:
             done = warp.results[generation % 2]
             if done is None or done[0] != generation:
@@ -100,7 +106,7 @@ if SIMULATOR:
         return done[1], lane
 
     def _group(value, width):
-        lanes, lane = _exchange(value)[:2]
+        lanes, lane = _exchange(value)
         start = lane - lane % width
         return lanes[start:start + width]
 
@@ -174,12 +180,12 @@ if SIMULATOR:
         return np.uint32(int(lo) | (int(hi) << 16))
 
     def ldmatrix_x4(smem, i):
-        rows, lane = _exchange(int(i))[:2]
+        rows, lane = _exchange(int(i))
         g, t = lane >> 2, lane & 3
         return tuple(_word(smem[rows[8 * j + g] + 2 * t], smem[rows[8 * j + g] + 2 * t + 1]) for j in range(4))
 
     def ldmatrix_x4_trans(smem, i):
-        rows, lane = _exchange(int(i))[:2]
+        rows, lane = _exchange(int(i))
         g, t = lane >> 2, lane & 3
         return tuple(_word(smem[rows[8 * j + 2 * t] + g], smem[rows[8 * j + 2 * t + 1] + g]) for j in range(4))
 

@@ -22,15 +22,15 @@ flash-attn); LSE, D and every accumulator are float32.
 
 import math
 
-import numpy as np
 from numba import cuda, types
 
 from .. import masks
-from .intrinsics import cp_async_commit, cp_async_wait_all, cp_async_wait_one, device_function, ex2
+from .blocks import key_block, query_block
+from .intrinsics import cp_async_commit, cp_async_wait_all, cp_async_wait_one, ex2
 from .mma_tiles import fragment_writer, lane_offsets, products, row_stride, stager
 from .register_tiles import fill
+from .simt_backward import row_statistics
 
-LOG2E = math.log2(math.e)
 MAX_HEADDIM = 128  # dK and dV fragments: 2 x D / 2 float32 registers per thread
 
 
@@ -74,18 +74,6 @@ def _signature(n_outputs):
     return (bits,) * 4 + (stat, stat) + (bits,) * n_outputs + (types.float32, types.int64, types.int64, types.boolean)
 
 
-@device_function
-def row_statistics(lse, delta, b, h, row):
-    """The base-2 LSE and D of query ``row``; a row past the sequence, or that saw no key (LSE = -inf),
-    gets LSE = +inf, so that P = exp2(s - inf) = 0, and D = 0."""
-    lse2, dsum = types.float32(np.inf), types.float32(0)
-    if row < lse.shape[2]:
-        if lse[b, h, row] != -np.inf:
-            lse2 = lse[b, h, row] * types.float32(LOG2E)
-        dsum = delta[b, h, row]
-    return lse2, dsum
-
-
 def build_dkdv(D, tiles, storage):
     BLOCK_M, BLOCK_N, WARPS = tiles.block_m, tiles.block_n, tiles.warps  # keys per block, queries per tile
     THREADS, LD, CHUNK = 32 * WARPS, row_stride(D), chunk(D, tiles.block_n)
@@ -95,20 +83,18 @@ def build_dkdv(D, tiles, storage):
     stage = stager(D, THREADS)
     scores, accumulate = products(CHUNK, D, storage)
     write_grad = fragment_writer(D, storage)
-    ZERO, LN2 = types.float32(0), types.float32(math.log(2.0))
+    statistics = row_statistics(types.float32)
+    ZERO, ONE, LN2 = types.float32(0), types.float32(1), types.float32(math.log(2.0))
 
     def attention_backward_dkdv_mma(q, k, v, dout, lse, delta, dk, dv, scale_log2, left, right, vec):
         # q, dout: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v, dk, dv: (batch, seqlen_k, nheads_kv,
         # headdim); lse, delta: (batch, nheads, seqlen_q)
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         group = q.shape[2] // k.shape[2]
-        hk, b = cuda.blockIdx.y, cuda.blockIdx.z
+        b, hk, key_start, q_lo, q_hi = key_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
         tid = cuda.threadIdx.x
         warp, lane = tid // 32, tid % 32
         g, t = lane >> 2, lane & 3
-        key_start = cuda.blockIdx.x * BLOCK_M
-        key_end = min(key_start + BLOCK_M, seqlen_k)
-        q_lo, q_hi = masks.query_range(key_start, key_end, seqlen_q, seqlen_k, left, right)
 
         dk_acc = cuda.local.array((DT, 4), types.float32)  # 16 keys x D per warp
         dv_acc = cuda.local.array((DT, 4), types.float32)
@@ -128,7 +114,7 @@ def build_dkdv(D, tiles, storage):
             stage(smem, DO_AT, dout, b, q_first, hk * group, BLOCK_N, tid, vec)
             cp_async_commit()
             if tid < 2 * BLOCK_N:
-                lse2, dsum = row_statistics(lse, delta, b, hk * group, q_first + tid % BLOCK_N)
+                lse2, dsum = statistics(lse, delta, b, hk * group, q_first + tid % BLOCK_N)
                 stats[tid] = lse2 if tid < BLOCK_N else dsum
             k_at = K_AT + warp * 16 * LD + a_off
             v_at = V_AT + warp * 16 * LD + a_off
@@ -150,7 +136,7 @@ def build_dkdv(D, tiles, storage):
                     # The next tile's LSE and D go to registers now and to shared memory after this
                     # tile's products, so the load's latency hides behind them.
                     if tid < 2 * BLOCK_N:
-                        lse2, dsum = row_statistics(lse, delta, b, h_next, q_next + tid % BLOCK_N)
+                        lse2, dsum = statistics(lse, delta, b, h_next, q_next + tid % BLOCK_N)
                         next_stat = lse2 if tid < BLOCK_N else dsum
                     cp_async_wait_one()  # this tile has landed; the next may still be in flight
                 else:
@@ -166,11 +152,13 @@ def build_dkdv(D, tiles, storage):
                         for j in range(NT):
                             for e in range(2):
                                 col = c0 + 8 * j + 2 * t + e
-                                lo_q, hi_q = masks.key_range(q_start + col, seqlen_q, seqlen_k, left, right)
+                                lo_q, hi_q = 0, seqlen_k  # a full chunk: every key visible, no bounds to compute
+                                if not full:
+                                    lo_q, hi_q = masks.key_range(q_start + col, seqlen_q, seqlen_k, left, right)
                                 for half in range(2):
                                     key = key_start + warp * 16 + g + 8 * half
                                     p = ZERO
-                                    if full or (key >= lo_q and key < hi_q):
+                                    if key >= lo_q and key < hi_q:
                                         p = ex2(s[j, 2 * half + e] * scale_log2 - stats[st + col])
                                     s[j, 2 * half + e] = p
                         accumulate(dv_acc, s, smem, DO_AT + at + c0 * LD + t_off)  # dV += P^T dO
@@ -186,13 +174,9 @@ def build_dkdv(D, tiles, storage):
                 cuda.syncthreads()  # this stage is free for the copies issued at the top of the next iteration
 
         # dK = scale dS^T Q with scale = scale_log2 ln(2); the rows past seqlen_k are dropped.
-        scale = cuda.local.array(2, types.float32)
-        ones = cuda.local.array(2, types.float32)
-        for half in range(2):
-            scale[half] = scale_log2 * LN2
-            ones[half] = types.float32(1)
-        write_grad(dk, b, key_start + warp * 16, hk, dk_acc, scale, g, t)
-        write_grad(dv, b, key_start + warp * 16, hk, dv_acc, ones, g, t)
+        scale = scale_log2 * LN2
+        write_grad(dk, b, key_start + warp * 16, hk, dk_acc, scale, scale, g, t)
+        write_grad(dv, b, key_start + warp * 16, hk, dv_acc, ONE, ONE, g, t)
 
     return attention_backward_dkdv_mma, _signature(2)
 
@@ -205,20 +189,17 @@ def build_dq(D, tiles, storage):
     stage = stager(D, THREADS)
     scores, accumulate = products(CHUNK, D, storage)
     write_grad = fragment_writer(D, storage)
+    statistics = row_statistics(types.float32)
     ZERO, LN2 = types.float32(0), types.float32(math.log(2.0))
 
     def attention_backward_dq_mma(q, k, v, dout, lse, delta, dq, scale_log2, left, right, vec):
         # q, dout, dq: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v: (batch, seqlen_k, nheads_kv,
         # headdim); lse, delta: (batch, nheads, seqlen_q)
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-        h, b = cuda.blockIdx.y, cuda.blockIdx.z
-        hk = h // (q.shape[2] // k.shape[2])
+        b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
         tid = cuda.threadIdx.x
         warp, lane = tid // 32, tid % 32
         g, t = lane >> 2, lane & 3
-        row_start = cuda.blockIdx.x * BLOCK_M
-        row_end = min(row_start + BLOCK_M, seqlen_q)
-        lo, hi = masks.block_key_range(row_start, row_end, seqlen_q, seqlen_k, left, right)
 
         dq_acc = cuda.local.array((DT, 4), types.float32)  # 16 rows x D per warp
         fill(dq_acc, DT, 4, ZERO)
@@ -239,7 +220,7 @@ def build_dq(D, tiles, storage):
             hi_r = cuda.local.array(2, types.int64)
             for half in range(2):
                 row = row_start + warp * 16 + g + 8 * half
-                lse2[half], dsum[half] = row_statistics(lse, delta, b, h, row)
+                lse2[half], dsum[half] = statistics(lse, delta, b, h, row)
                 lo_r[half], hi_r[half] = masks.key_range(row, seqlen_q, seqlen_k, left, right)
             q_at = Q_AT + warp * 16 * LD + a_off
             do_at = DO_AT + warp * 16 * LD + a_off
@@ -279,9 +260,7 @@ def build_dq(D, tiles, storage):
                 cuda.syncthreads()  # this stage is free for the copies issued at the top of the next iteration
 
         # dQ = scale dS K with scale = scale_log2 ln(2); the rows past seqlen_q are dropped.
-        scale = cuda.local.array(2, types.float32)
-        for half in range(2):
-            scale[half] = scale_log2 * LN2
-        write_grad(dq, b, row_start + warp * 16, h, dq_acc, scale, g, t)
+        scale = scale_log2 * LN2
+        write_grad(dq, b, row_start + warp * 16, h, dq_acc, scale, scale, g, t)
 
     return attention_backward_dq_mma, _signature(1)

@@ -18,7 +18,7 @@ import numpy as np
 from numba import cuda, types
 
 from .. import masks
-from .hidden_rows import write_hidden_rows
+from .blocks import query_block, write_hidden_rows
 from .intrinsics import cp_async_commit, cp_async_wait_all, cp_async_wait_one, ex2, group_max, group_sum
 from .mma_tiles import fragment_writer, lane_offsets, products, row_stride, stager
 from .register_tiles import fill
@@ -55,14 +55,10 @@ def build(D, tiles, storage):
         # q, out: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v: (batch, seqlen_k, nheads_kv, headdim)
         # lse: (batch, nheads, seqlen_q)
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-        h, b = cuda.blockIdx.y, cuda.blockIdx.z
-        hk = h // (q.shape[2] // k.shape[2])
+        b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
         tid = cuda.threadIdx.x
         warp, lane = tid // 32, tid % 32
         g, t = lane >> 2, lane & 3
-        row_start = cuda.blockIdx.x * BLOCK_M
-        row_end = min(row_start + BLOCK_M, seqlen_q)
-        lo, hi = masks.block_key_range(row_start, row_end, seqlen_q, seqlen_k, left, right)
 
         if lo >= hi:  # the mask hides every key from these rows
             write_hidden_rows(out, lse, b, h, row_start, row_end, types.uint16(0), tid, THREADS)
@@ -142,7 +138,7 @@ def build(D, tiles, storage):
         for half in range(2):
             l_row[half] = group_sum(l_i[half], 4)
             inv[half] = ONE / l_row[half] if l_row[half] > ZERO else ZERO
-        write_out(out, b, row_start + warp * 16, h, acc, inv, g, t)
+        write_out(out, b, row_start + warp * 16, h, acc, inv[0], inv[1], g, t)
         for half in range(2):
             row = row_start + warp * 16 + g + 8 * half
             if row < seqlen_q and t == 0:

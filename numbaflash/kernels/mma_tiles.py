@@ -115,18 +115,18 @@ def products(N, D, storage):
 
 
 def fragment_writer(D, storage):
-    """``write(dst, b, row0, h, acc, scales, g, t)``: a warp's 16 x D fragments, rows ``g`` and ``g + 8``
-    times ``scales[0]`` and ``scales[1]``, rounded to 16 bits, into rows ``row0 + g`` and ``row0 + g + 8``
-    of head ``h`` (rows past the sequence and columns past the head dim are dropped). Each lane holds
-    two adjacent columns per 8-column n-tile."""
+    """``write(dst, b, row0, h, acc, scale_g, scale_g8, g, t)``: a warp's 16 x D fragments, rows ``g`` and
+    ``g + 8`` times ``scale_g`` and ``scale_g8``, rounded to 16 bits, into rows ``row0 + g`` and
+    ``row0 + g + 8`` of head ``h`` (rows past the sequence and columns past the head dim are dropped).
+    Each lane holds two adjacent columns per 8-column n-tile."""
     DT = D // 8
     pack = pack_f16 if storage == "float16" else pack_bf16
 
     @device_function
-    def write(dst, b, row0, h, acc, scales, g, t):
+    def write(dst, b, row0, h, acc, scale_g, scale_g8, g, t):
         for half in range(2):
             row = row0 + g + 8 * half
-            scale = scales[half]
+            scale = scale_g8 if half else scale_g
             if row < dst.shape[1]:
                 for j in range(DT):
                     col = 8 * j + 2 * t

@@ -29,6 +29,7 @@ from numba.cuda.np.numpy_support import from_dtype
 
 from .. import masks
 from . import elements
+from .blocks import key_block, query_block
 from .intrinsics import device_function, group_sum
 from .register_tiles import fill, in_parts, outer_product, patch_writer, stagers, vector_width
 
@@ -70,24 +71,36 @@ def _signature(storage, n_outputs):
             + (ACC, types.int64, types.int64, types.boolean))
 
 
-def _row_statistics(ROWS, ACC):
-    """``load(lse2, dsum, lse, delta, b, h, row0)``: the base-2 LSE and D of rows ``row0 .. row0 + ROWS - 1``.
+def row_statistics(ACC):
+    """``load(lse, delta, b, h, row) -> (lse2, dsum)``: the base-2 LSE and D of query ``row``, in ``ACC``.
 
-    Rows past the sequence, or that saw no key (LSE = -inf), get lse2 = +inf, so P = exp2(s - inf) = 0.
+    A row past the sequence, or that saw no key (LSE = -inf), gets lse2 = +inf, so P = exp2(s - inf) = 0,
+    and D = 0. Both backwards' kernels load their rows' statistics with it.
     """
     ZERO, INF, LOG2E_ = ACC(0), ACC(np.inf), ACC(LOG2E)
 
+    @device_function
+    def load(lse, delta, b, h, row):
+        lse2, dsum = INF, ZERO
+        if row < lse.shape[2]:
+            if lse[b, h, row] != -INF:
+                lse2 = lse[b, h, row] * LOG2E_
+            dsum = delta[b, h, row]
+        return lse2, dsum
+
+    return load
+
+
+def _rows_statistics(ROWS, ACC):
+    """``load(lse2, dsum, lse, delta, b, h, row0)``: `row_statistics` of rows ``row0 .. row0 + ROWS - 1``."""
+    one = row_statistics(ACC)
+
+    @device_function
     def load(lse2, dsum, lse, delta, b, h, row0):
         for a in range(ROWS):
-            row = row0 + a
-            lse2[a] = INF
-            dsum[a] = ZERO
-            if row < lse.shape[2]:
-                if lse[b, h, row] != -INF:
-                    lse2[a] = lse[b, h, row] * LOG2E_
-                dsum[a] = delta[b, h, row]
+            lse2[a], dsum[a] = one(lse, delta, b, h, row0 + a)
 
-    return device_function(load)
+    return load
 
 
 def build_preprocess(D, tiles, storage):
@@ -127,19 +140,16 @@ def build_dkdv(D, tiles, storage):
     scores_patch = in_parts(outer_product(TK, TQ, 1, 0), 32)  # S^T = K Q^T, dP^T = V dO^T over the head dim
     grad_patch = in_parts(outer_product(TK, VV, TD // VV, COLS_T * VV), BLOCK_Q)  # dV += P^T dO, dK += dS^T Q
     write_row = patch_writer(TD, VV, COLS_T, from_acc)
-    load_rows = _row_statistics(TQ, ACC)
+    load_rows = _rows_statistics(TQ, ACC)
 
     def attention_backward_dkdv(q, k, v, dout, lse, delta, dk, dv, scale_log2, left, right, vec):
         # q, dout: (batch, seqlen_q, nheads, headdim); k, v, dk, dv: (batch, seqlen_k, nheads_kv, headdim)
         # lse, delta: (batch, nheads, seqlen_q)
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         group = q.shape[2] // k.shape[2]
-        hk, b = cuda.blockIdx.y, cuda.blockIdx.z
+        b, hk, key_start, q_lo, q_hi = key_block(cuda.blockIdx, q, k, BLOCK_K, left, right)
         tid = cuda.threadIdx.x
         r, c = tid // COLS_T, tid % COLS_T  # r: this thread's keys, c: its queries in each query tile
-        key_start = cuda.blockIdx.x * BLOCK_K
-        key_end = min(key_start + BLOCK_K, seqlen_k)
-        q_lo, q_hi = masks.query_range(key_start, key_end, seqlen_q, seqlen_k, left, right)
 
         dk_acc = cuda.local.array((TK, TD), ACC)
         dv_acc = cuda.local.array((TK, TD), ACC)
@@ -216,18 +226,14 @@ def build_dq(D, tiles, storage):
     scores_patch = in_parts(outer_product(TM, TN, 1, 0), 32)  # S = Q K^T, dP = dO V^T over the head dim
     grad_patch = in_parts(outer_product(TM, VV, TD // VV, COLS_T * VV), BLOCK_N)  # dQ += dS K over the keys
     write_row = patch_writer(TD, VV, COLS_T, from_acc)
-    load_rows = _row_statistics(TM, ACC)
+    load_rows = _rows_statistics(TM, ACC)
 
     def attention_backward_dq(q, k, v, dout, lse, delta, dq, scale_log2, left, right, vec):
         # q, dout, dq: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim)
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-        h, b = cuda.blockIdx.y, cuda.blockIdx.z
-        hk = h // (q.shape[2] // k.shape[2])
+        b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
         tid = cuda.threadIdx.x
         r, c = tid // COLS_T, tid % COLS_T
-        row_start = cuda.blockIdx.x * BLOCK_M
-        row_end = min(row_start + BLOCK_M, seqlen_q)
-        lo, hi = masks.block_key_range(row_start, row_end, seqlen_q, seqlen_k, left, right)
 
         dq_acc = cuda.local.array((TM, TD), ACC)
         tile = cuda.local.array((TM, TD), ACC)  # one key tile's dS K: a two-level sum

@@ -20,7 +20,7 @@ from numba.cuda.np.numpy_support import from_dtype
 
 from .. import masks
 from . import elements
-from .hidden_rows import write_hidden_rows
+from .blocks import query_block, write_hidden_rows
 from .intrinsics import group_max, group_sum
 from .register_tiles import fill, in_parts, outer_product, patch_writer, stagers, vector_width
 
@@ -65,13 +65,9 @@ def build(D, tiles, storage):
         # q, out: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim)
         # lse: (batch, nheads, seqlen_q)
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-        h, b = cuda.blockIdx.y, cuda.blockIdx.z
-        hk = h // (q.shape[2] // k.shape[2])
+        b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
         tid = cuda.threadIdx.x
         r, c = tid // COLS_T, tid % COLS_T
-        row_start = cuda.blockIdx.x * BLOCK_M
-        row_end = min(row_start + BLOCK_M, seqlen_q)
-        lo, hi = masks.block_key_range(row_start, row_end, seqlen_q, seqlen_k, left, right)
 
         if lo >= hi:  # the mask hides every key from these rows
             write_hidden_rows(out, lse, b, h, row_start, row_end, from_acc(ZERO), tid, THREADS)

@@ -1,0 +1,56 @@
+"""What a thread block of the attention kernels works on, read from its block index.
+
+The grids `numbaflash.tiling` launches put a query block (forward, dQ) or a key block (dK/dV) on
+blockIdx.x, a head on y and a batch element on z. These functions turn that into the block's rows,
+heads and visible range, with the bounds of `numbaflash.masks`, so every kernel derives them alike.
+Kernels pass ``cuda.blockIdx`` in (under the simulator only a kernel's own globals see the simulated
+block index):
+
+* `query_block`: a block of query rows and the keys at least one of them sees.
+* `key_block`: a block of keys and the query rows that see at least one of them.
+* `write_hidden_rows`: what a forward block writes for query rows whose every key the mask hides (by
+  flash-attn's convention out = 0 and LSE = -inf; such a block loads nothing).
+"""
+
+import math
+
+from .. import masks
+from .intrinsics import device_function
+
+
+@device_function
+def query_block(block, q, k, block_m, left, right):
+    """``(b, h, hk, row_start, row_end, lo, hi)``: the batch element, the query head and its kv head (GQA),
+    the block's rows ``[row_start, row_end)`` and the keys ``[lo, hi)`` seen by at least one of them
+    (none when ``lo >= hi``). q: (batch, seqlen_q, nheads, headdim); k: (batch, seqlen_k, nheads_kv, headdim)."""
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    h, b = block.y, block.z
+    hk = h // (q.shape[2] // k.shape[2])
+    row_start = block.x * block_m
+    row_end = min(row_start + block_m, seqlen_q)
+    lo, hi = masks.block_key_range(row_start, row_end, seqlen_q, seqlen_k, left, right)
+    return b, h, hk, row_start, row_end, lo, hi
+
+
+@device_function
+def key_block(block, q, k, block_m, left, right):
+    """``(b, hk, key_start, q_lo, q_hi)``: the batch element, the kv head, the first of the block's keys
+    ``[key_start, key_start + block_m)`` and the query rows ``[q_lo, q_hi)`` that see at least one of them."""
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    hk, b = block.y, block.z
+    key_start = block.x * block_m
+    key_end = min(key_start + block_m, seqlen_k)
+    q_lo, q_hi = masks.query_range(key_start, key_end, seqlen_q, seqlen_k, left, right)
+    return b, hk, key_start, q_lo, q_hi
+
+
+@device_function
+def write_hidden_rows(out, lse, b, h, row_start, row_end, zero, tid, threads):
+    """``out[b, row_start:row_end, h, :] = zero`` and ``lse[b, h, row_start:row_end] = -inf``, by the block's
+    ``threads`` threads together (consecutive threads write consecutive head-dim elements)."""
+    headdim = out.shape[3]
+    for e in range(tid, (row_end - row_start) * headdim, threads):
+        i = e // headdim
+        out[b, row_start + i, h, e - i * headdim] = zero
+        if e - i * headdim == 0:
+            lse[b, h, row_start + i] = -math.inf
