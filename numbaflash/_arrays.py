@@ -1,9 +1,9 @@
 """Arrays at the public boundary: what callers pass, what kernels receive, what callers get back.
 
 Accepted: CuPy arrays, torch CUDA tensors, any object with ``__cuda_array_interface__`` or (through
-CuPy) ``__dlpack__``, and NumPy arrays when the CUDA simulator is on. Kernels receive zero-copy numba
-views with the caller's strides (bfloat16 as its raw uint16 bits); outputs are allocated by the same
-library as ``q`` on the same device, and kernels run on that library's current stream.
+CuPy) ``__dlpack__``, and NumPy arrays when the CUDA simulator is on. Kernels receive the caller's
+memory with its strides, zero-copy (`numbaflash.kernels.compiled` passes it); outputs are allocated by
+the same library as ``q`` on the same device, and kernels run on that library's current stream.
 """
 
 from dataclasses import dataclass
@@ -33,21 +33,26 @@ class Operand:
         return (self.shape[-1] % count == 0 and self.strides[-1] == itemsize and self.ptr % align == 0
                 and all(s % align == 0 for s in self.strides[:-1]))
 
-    def kernel_view(self, raw_bits=False):
-        """The array a kernel takes: same memory and strides; bfloat16 (and with ``raw_bits`` float16 too)
-        reinterpreted as uint16."""
-        kdtype = np.dtype(np.uint16) if raw_bits else kernel_dtype(self.dtype)
-        if self.kind == "numpy":
-            # The simulator's device array wraps the NumPy view as is: no copy, strides kept, outputs
-            # written in place (passing the bare array would copy it, and refuse it if strided).
-            from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+    def kernel_view(self, dtype):
+        """The simulator's array for a kernel argument of NumPy ``dtype``: the same memory and strides,
+        reinterpreted (float16 and bfloat16 as uint16 bits where a kernel takes them so). The simulator's
+        device array wraps the view as is: no copy, outputs written in place (passing the bare array
+        would copy it, and refuse it if strided)."""
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
 
-            return FakeCUDAArray(self.obj.view(kdtype) if self.obj.dtype != kdtype else self.obj)
-        from numba import cuda
+        return FakeCUDAArray(self.obj.view(dtype) if self.obj.dtype != dtype else self.obj)
 
-        interface = {"shape": self.shape, "strides": self.strides, "typestr": kdtype.str,
-                     "data": (self.ptr, False), "version": 3}
-        return cuda.from_cuda_array_interface(interface, owner=self.obj, sync=False)
+
+@dataclass(frozen=True)
+class Stream:
+    """A CUDA stream by handle (0: the device's default stream) on device ordinal ``device``, as cuda.core's
+    launch takes it."""
+
+    handle: int
+    device: int
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
 
 
 def _dtype_name(dtype):
@@ -136,11 +141,9 @@ def _numpy_dtype(name):
 
 
 def stream_of(op):
-    """The numba stream to launch on: the caller library's current stream on ``op``'s device."""
+    """The `Stream` to launch on: the caller library's current stream on ``op``'s device."""
     if op.kind == "numpy":
-        return 0
-    from numba import cuda
-
+        return Stream(0, -1)
     if op.kind == "torch":
         import torch
 
@@ -153,7 +156,7 @@ def stream_of(op):
     else:
         ptr = op.obj.__cuda_array_interface__.get("stream") or 0
         ptr = 0 if ptr in (1, 2) else ptr  # 1 and 2 name the legacy and per-thread default streams
-    return cuda.external_stream(ptr) if ptr else cuda.default_stream()
+    return Stream(ptr, op.device)
 
 
 __all__ = ["Operand", "describe", "empty", "is_device_array", "single_head_view", "stream_of"]

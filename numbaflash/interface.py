@@ -196,23 +196,19 @@ BUILDERS = {
 
 
 def kernel_for(plan, launch):
-    """The compiled kernel that runs ``launch``, one of ``plan.launches``."""
+    """The `compiled.Kernel` that runs ``launch``, one of ``plan.launches``."""
     return compiled.kernel(BUILDERS[launch.kernel], plan.headdim_padded, plan.tiles, plan.dtype, launch.threads)
 
 
 def _launch(plan, index, stream, *args):
     launch = plan.launches[index]
-    compiled.launch(kernel_for(plan, launch), launch.grid, launch.threads, launch.smem_bytes, stream, *args)
-
-
-def _tensor_cores(plan):
-    return plan.kernel in ("mma_forward", "mma_backward")
+    kernel_for(plan, launch).launch(launch.grid, launch.threads, launch.smem_bytes, stream, *args)
 
 
 def _vector_elements(plan):
     """Head-dim elements per vector copy: 16-byte cp.async chunks in the tensor-core kernels, 4-element
     loads in the CUDA-core kernels."""
-    return 8 if _tensor_cores(plan) else 4
+    return 8 if plan.kernel in ("mma_forward", "mma_backward") else 4
 
 
 def vector_staging(plan, *operands):
@@ -226,22 +222,18 @@ def vector_staging(plan, *operands):
 
 def run_forward(call, plan, out, lse):
     """Launch the forward kernel of ``plan`` on validated operands (``out``, ``lse`` preallocated)."""
-    # Tensor cores take 16-bit words.
-    views = [x.kernel_view(raw_bits=_tensor_cores(plan)) for x in (call.q, call.k, call.v, out)]
-    _launch(plan, 0, _arrays.stream_of(call.q), *views, lse.kernel_view(), _scale_arg(call), call.left, call.right,
-            vector_staging(plan, call.q, call.k, call.v))
+    _launch(plan, 0, _arrays.stream_of(call.q), call.q, call.k, call.v, out, lse, _scale_arg(call), call.left,
+            call.right, vector_staging(plan, call.q, call.k, call.v))
 
 
 def run_backward(call, plan, dout, lse, out, delta, dq, dk, dv):
     """Launch the three backward kernels of ``plan`` on one stream; ``delta`` is the O(N) workspace."""
     stream = _arrays.stream_of(call.q)
-    raw = _tensor_cores(plan)  # the preprocess runs on the CUDA cores and takes the storage dtype
-    q, k, v, do, dq_v, dk_v, dv_v = (x.kernel_view(raw_bits=raw) for x in (call.q, call.k, call.v, dout, dq, dk, dv))
-    lse_v, delta_v = lse.kernel_view(), delta.kernel_view()
-    extra = (_scale_arg(call), call.left, call.right, vector_staging(plan, call.q, call.k, call.v, dout))
-    _launch(plan, 0, stream, out.kernel_view(), dout.kernel_view(), delta_v)
-    _launch(plan, 1, stream, q, k, v, do, lse_v, delta_v, dk_v, dv_v, *extra)
-    _launch(plan, 2, stream, q, k, v, do, lse_v, delta_v, dq_v, *extra)
+    q, k, v = call.q, call.k, call.v
+    extra = (_scale_arg(call), call.left, call.right, vector_staging(plan, q, k, v, dout))
+    _launch(plan, 0, stream, out, dout, delta)
+    _launch(plan, 1, stream, q, k, v, dout, lse, delta, dk, dv, *extra)
+    _launch(plan, 2, stream, q, k, v, dout, lse, delta, dq, *extra)
 
 
 def _check_like(op, want, name, like_name):

@@ -4,6 +4,7 @@ Computed in one place from the shapes, the dtype and the device, and used by the
 `numbaflash.explain` and by `sim.count_io(plan=...)`, so the simulator counts the schedule the GPU ran.
 """
 
+import functools
 from dataclasses import dataclass
 
 from .kernels.intrinsics import SIMULATOR
@@ -23,12 +24,22 @@ class Device:
         return self.compute_capability == (0, 0)
 
 
-SIMULATOR_DEVICE = Device("CUDA simulator", (0, 0), 1, 48 * 1024)
+# The simulator allocates whatever shared memory a launch asks for; its plans may use what a Hopper GPU
+# offers a block (the tensor-core backward's 32 x 32 blocks take 52 KiB at headdim 128).
+SIMULATOR_DEVICE = Device("CUDA simulator", (0, 0), 1, 227 * 1024)
 
 
 def current_device():
     if SIMULATOR:
         return SIMULATOR_DEVICE
+    from numba import cuda
+
+    return _device(cuda.get_current_device().id)
+
+
+@functools.lru_cache(maxsize=None)
+def _device(ordinal):
+    """Asked once per GPU: each attribute is a driver call, and every `attention` call plans."""
     from numba import cuda
 
     dev = cuda.get_current_device()
@@ -65,11 +76,17 @@ class Tiles:
 
 @dataclass(frozen=True)
 class MmaTiles:
-    """Blocks of the tensor-core kernels: ``warps`` warps of 16 query rows each, ``block_n`` keys per tile."""
+    """Blocks of the tensor-core kernels: ``warps`` warps of ``m_tiles`` m-tiles (16 rows each) per block of
+    ``block_m`` rows, ``block_n`` columns per streamed tile."""
 
     block_m: int
     block_n: int
     warps: int
+    m_tiles: int = 1
+
+    @property
+    def rows_per_warp(self):
+        return 16 * self.m_tiles
 
     @property
     def threads(self):
@@ -111,21 +128,27 @@ MAX_HEADDIM = {("backward", "float64", Tiles(32, 32, 2, 2)): 64, ("forward", "fl
 # running the same kernel source, with its masking, tiling and shuffles.
 SIMULATOR_TILES = Tiles(16, 16, 2, 2)
 
-# Tensor-core forward, by head-dim bucket: 8 warps x 16 rows and 128 keys per tile up to headdim 128
-# (H200, fp16, N = 4096, TFLOP/s: 161 against 153 for 64 x 64 with 4 warps at headdim 64; 207 against
-# 182 for 128 x 64 at headdim 128): a bigger block shares each K/V tile among more rows and halves the
-# barriers per key. At headdim 256 that block would need 330 KiB of shared memory: 64 x 64, 4 warps.
-# One warp and 16 keys on the simulator, where each warp-wide instruction is an exchange between 32
-# Python threads.
+# Tensor-core forward, by head-dim bucket: 4 warps of 2 m-tiles (32 query rows each), so that every K
+# and V fragment a warp reads from shared memory feeds two mma (H200, fp16, against SDPA flash in the
+# same run: at headdim 64, 128 x 64 blocks ran 0.64-0.78x, 8 warps of one m-tile with 128-key tiles
+# 0.56-0.69x; at headdim 128, 128 x 32 ran 0.62-0.69x against 0.58-0.71x, N = 2048 to 16384, causal and
+# not). Headdim 128 takes 32-key tiles because its 2 x 16 x 128 accumulators leave no registers for
+# 64 (ptxas spilled 192 bytes). At headdim 256 the accumulators of two m-tiles do not fit at all: 64 x 64
+# with 4 warps of one m-tile (a 128-row block would need 330 KiB of shared memory).
+# One warp of 2 m-tiles and 16 keys on the simulator, where each warp-wide instruction is an exchange
+# between 32 Python threads.
 MMA_HEADDIMS = (16, 32, 64, 128, 256)
-MMA_TILES = {16: MmaTiles(128, 128, 8), 32: MmaTiles(128, 128, 8), 64: MmaTiles(128, 128, 8),
-             128: MmaTiles(128, 128, 8), 256: MmaTiles(64, 64, 4)}
-SIMULATOR_MMA_TILES = MmaTiles(16, 16, 1)
+MMA_TILES = {16: MmaTiles(128, 64, 4, 2), 32: MmaTiles(128, 64, 4, 2), 64: MmaTiles(128, 64, 4, 2),
+             128: MmaTiles(128, 32, 4, 2), 256: MmaTiles(64, 64, 4)}
+SIMULATOR_MMA_TILES = MmaTiles(32, 16, 1, 2)
 # Tensor-core backward: square blocks, because `sim` counts one B_r = B_c for both passes (the dK/dV
-# kernel owns block_m keys and streams block_n queries; the dQ kernel the reverse). Same measurement:
-# 121 (64 x 64, 4 warps) against 114 (128 x 128, 8 warps) at headdim 64; 141 against 147 at 128.
-MMA_BACKWARD_TILES = {16: MmaTiles(64, 64, 4), 32: MmaTiles(64, 64, 4), 64: MmaTiles(64, 64, 4),
+# kernel owns block_m keys and streams block_n queries; the dQ kernel the reverse). Up to headdim 64,
+# 4 warps of 2 m-tiles (H200, fp16, N = 2048 to 16384, causal and not: 0.54-0.65x SDPA flash, against
+# 0.39-0.53x for 64 x 64 blocks of 4 warps of one m-tile). At headdim 128 two m-tiles' dK and dV would
+# take every register: 8 warps of one m-tile (0.52-0.63x, against 0.49-0.62x for 64 x 64).
+MMA_BACKWARD_TILES = {16: MmaTiles(128, 128, 4, 2), 32: MmaTiles(128, 128, 4, 2), 64: MmaTiles(128, 128, 4, 2),
                       128: MmaTiles(128, 128, 8)}
+SIMULATOR_MMA_BACKWARD_TILES = MmaTiles(32, 32, 1, 2)
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
@@ -204,7 +227,8 @@ class Plan:
         t = self.tiles
         padded = f" padded to {self.headdim_padded}" if self.headdim_padded != self.headdim else ""
         if isinstance(t, MmaTiles):
-            rows = "16 keys (dK/dV) or 16 query rows (dQ)" if self.direction == "backward" else "16 query rows"
+            n = t.rows_per_warp
+            rows = f"{n} keys (dK/dV) or {n} query rows (dQ)" if self.direction == "backward" else f"{n} query rows"
             owner = f"{t.warps} warps, each owning {rows}; mma.sync m16n8k16, float32 accumulators"
         else:
             owner = f"each thread owns a {t.thread_m} x {t.thread_n} patch of every score tile"
@@ -234,9 +258,14 @@ def _choose(direction, acc, D, acc_bytes, device, smem_of):
 
 def make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward=False, device=None, tiles=None):
     """The plan for these sizes on ``device`` (default: the current one). ``tiles`` overrides the blocks."""
+    device = current_device() if device is None else device
+    return _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles)
+
+
+@functools.lru_cache(maxsize=1024)  # plans are immutable; a model calls attention with few distinct shapes
+def _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles):
     from .kernels import mma_backward, simt_backward, simt_forward
 
-    device = current_device() if device is None else device
     shape = dict(batch=batch, nheads=nheads, nheads_kv=nheads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                  headdim=headdim, dtype=dtype)
     if uses_tensor_cores(dtype, device) and (tiles is None or isinstance(tiles, MmaTiles)):
@@ -312,6 +341,8 @@ def _mma_forward_plan(shape, device, tiles):
 
     D = mma_headdim_bucket(shape["headdim"])
     tiles = tiles or (SIMULATOR_MMA_TILES if device.simulator else MMA_TILES[D])
+    if tiles.block_m != tiles.rows_per_warp * tiles.warps:
+        raise ValueError(f"the tensor-core forward takes block_m = 16 x m_tiles x warps query rows; got {tiles}")
     smem = (2 * mma_forward.smem_elements(D, tiles),)
     _check_smem("forward", smem, shape, device)
     registers = 4 * (tiles.block_m * D + tiles.block_m * tiles.block_n + 2 * tiles.block_m)
@@ -324,12 +355,12 @@ def _mma_backward_plan(shape, device, tiles):
     from .kernels import mma_backward
 
     D = mma_headdim_bucket(shape["headdim"])
-    tiles = tiles or (SIMULATOR_MMA_TILES if device.simulator else MMA_BACKWARD_TILES[D])
-    if tiles.block_m != tiles.block_n or tiles.block_m != 16 * tiles.warps:
-        raise ValueError(f"the tensor-core backward takes square tiles of 16 rows per warp; got {tiles}")
+    tiles = tiles or (SIMULATOR_MMA_BACKWARD_TILES if device.simulator else MMA_BACKWARD_TILES[D])
+    if tiles.block_m != tiles.block_n or tiles.block_m != tiles.rows_per_warp * tiles.warps:
+        raise ValueError(f"the tensor-core backward takes square tiles of 16 x m_tiles rows per warp; got {tiles}")
     smem = (2 * mma_backward.smem_elements_dkdv(D, tiles), 2 * mma_backward.smem_elements_dq(D, tiles))
     _check_smem("backward", smem, shape, device)
-    chunk = mma_backward.chunk(D, tiles.block_n)
+    chunk = mma_backward.chunk(tiles)
     registers = 4 * (2 * tiles.block_m * D + 2 * tiles.block_m * chunk)  # dK and dV fragments, S and dP of a chunk
     reason = (f"{shape['dtype']} on {_mma_where(device)}: tensor cores, float32 accumulation; head dims padded to "
               f"16, 32, 64 or 128; score tiles in chunks of {chunk} columns; D = rowsum(dO * O) on the CUDA cores")

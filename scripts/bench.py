@@ -319,8 +319,8 @@ def tiling_candidates():
     from numbaflash.tiling import MmaTiles, Tiles
 
     return [Tiles(64, 64, 4, 4), Tiles(64, 32, 4, 2), Tiles(128, 64, 4, 4), Tiles(32, 32, 2, 2),
-            MmaTiles(64, 64, 4), MmaTiles(128, 64, 8), MmaTiles(128, 32, 8), MmaTiles(64, 32, 4),
-            MmaTiles(64, 128, 4), MmaTiles(128, 128, 8), MmaTiles(32, 32, 2)]
+            MmaTiles(64, 64, 4), MmaTiles(128, 128, 8), MmaTiles(32, 32, 2), MmaTiles(128, 64, 4, 2),
+            MmaTiles(128, 32, 4, 2), MmaTiles(256, 64, 8, 2), MmaTiles(256, 32, 8, 2)]
 
 
 if __name__ == "__main__":

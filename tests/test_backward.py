@@ -6,6 +6,8 @@ from hypothesis import given, settings
 
 import numbaflash
 from cases import Case, cases, check_backward, gpu_cases, inputs
+from numbaflash import tiling
+from numbaflash.tiling import MmaTiles
 from test_forward import HOPPER
 
 # Three launches per call on the simulator: half the examples of the forward property.
@@ -21,7 +23,7 @@ def test_backward_matches_reference(case, arrays, poisoned):
 @pytest.mark.parametrize("dtype,headdim,kernel", [("float16", 40, "mma_backward"), ("bfloat16", 200, "simt_backward"),
                                                   ("float64", 256, "simt_backward")])
 def test_production_tilings_on_small_shapes(dtype, headdim, kernel, arrays, poisoned):
-    """The H100's own block sizes (4 warps of 16 keys or rows; 256 threads on the CUDA cores), on the simulator."""
+    """The H100's own block sizes (4 warps of 32 keys or rows; 256 threads on the CUDA cores), on the simulator."""
     case = Case(1, 11, 19, 2, 1, headdim, dtype, causal=True, seed=4)
     to_device, _ = arrays
     q, k, v = (to_device(x) for x in inputs(case))
@@ -30,6 +32,17 @@ def test_production_tilings_on_small_shapes(dtype, headdim, kernel, arrays, pois
     assert bwd.kernel == kernel and bwd.tiles.threads >= 128
     check_backward(case, lambda *a, **kw: numbaflash.attention(*a, plan=fwd, **kw),
                    lambda *a, **kw: numbaflash.attention_backward(*a, plan=bwd, **kw), *arrays)
+
+
+def test_tensor_core_backward_with_one_m_tile_per_warp(arrays, poisoned):
+    """Warps of 16 keys or rows, as the headdim-128 plan runs (smaller head dims give a warp two m-tiles)."""
+    case = Case(1, 19, 23, 4, 2, 20, "float16", causal=True, seed=6)
+    to_device, _ = arrays
+    q, k, v = (to_device(x) for x in inputs(case))
+    one = tiling.make_plan(1, 4, 2, 19, 23, 20, "float16", backward=True, tiles=MmaTiles(16, 16, 1))
+    assert numbaflash.plan(q, k, v, causal=True, backward=True).tiles.m_tiles == 2 and one.kernel == "mma_backward"
+    check_backward(case, numbaflash.attention, lambda *a, **kw: numbaflash.attention_backward(*a, plan=one, **kw),
+                   *arrays)
 
 
 @pytest.mark.parametrize("mask", [dict(causal=True), dict(window_size=(2, 1))])
@@ -95,5 +108,6 @@ def test_explain_names_the_tensor_core_backward(arrays):
     to_device, _ = arrays
     q, k, v = (to_device(x) for x in inputs(Case(1, 64, 64, 4, 2, 64, "bfloat16")))
     text = numbaflash.explain(q, k, v, causal=True, backward=True)
-    assert "mma_backward_dkdv" in text and "mma_backward_dq" in text and "16 keys (dK/dV)" in text
+    rows = numbaflash.plan(q, k, v, causal=True, backward=True).tiles.rows_per_warp  # 32: two m-tiles per warp
+    assert "mma_backward_dkdv" in text and "mma_backward_dq" in text and f"{rows} keys (dK/dV)" in text
     assert "GQA" in text and "standard attention" in text

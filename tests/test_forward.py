@@ -6,7 +6,8 @@ from hypothesis import given
 
 import numbaflash
 from cases import DTYPES, NP_DTYPES, Case, cases, check_forward, gpu_cases, inputs
-from numbaflash.tiling import Device
+from numbaflash import tiling
+from numbaflash.tiling import Device, MmaTiles
 
 # GPUs as the planner sees them: their production tilings run on the simulator. Turing (7.5) has no
 # bfloat16 mma, so its float16 and bfloat16 take the CUDA-core kernels.
@@ -32,6 +33,18 @@ def test_production_tilings_on_small_shapes(dtype, headdim, device, kernel, arra
     plan = numbaflash.plan(q, k, v, causal=True, device=device)
     assert plan.kernel == kernel and plan.tiles.threads >= 128
     check_forward(case, lambda *a, **kw: numbaflash.attention(*a, plan=plan, **kw), *arrays)
+
+
+@pytest.mark.parametrize("mask", [dict(causal=True), dict(window_size=(3, 2))])
+def test_tensor_core_forward_with_one_m_tile_per_warp(mask, arrays, poisoned):
+    """Warps of 16 rows, as the headdim-256 plan runs (the default plans give a warp two m-tiles)."""
+    case = Case(2, 21, 13, 2, 1, 24, "bfloat16", seed=5, **mask)
+    to_device, _ = arrays
+    q, k, v = (to_device(x) for x in inputs(case))
+    plan = numbaflash.plan(q, k, v, **mask)
+    one = tiling.make_plan(2, 2, 1, 21, 13, 24, "bfloat16", tiles=MmaTiles(32, 16, 2))
+    assert plan.tiles.m_tiles == 2 and one.kernel == "mma_forward"
+    check_forward(case, lambda *a, **kw: numbaflash.attention(*a, plan=one, **kw), *arrays)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -132,7 +145,7 @@ def test_production_kernels_keep_their_accumulators_in_registers(dtype):
             plan = tiling.make_plan(1, 1, 1, 512, 512, headdim, dtype, backward=backward)
             for launch in plan.launches:
                 kernel = interface.kernel_for(plan, launch)
-                attrs = next(iter(kernel.overloads.values()))._codelibrary.get_cufunc().attrs
+                attrs = next(iter(kernel.dispatcher.overloads.values()))._codelibrary.get_cufunc().attrs
                 assert attrs.local == 0, f"{launch.kernel} {dtype} d={headdim}: {attrs.local} bytes of local memory"
                 assert attrs.regs * launch.threads <= cuda.get_current_device().MAX_REGISTERS_PER_BLOCK
 
@@ -152,7 +165,7 @@ def test_tensor_core_kernels_sass_has_hmma_and_no_local_memory(dtype, headdim, b
     for launch in plan.launches:
         if not launch.kernel.startswith("mma"):
             continue  # the backward's D = rowsum(dO * O) runs on the CUDA cores
-        sass = "\n".join(interface.kernel_for(plan, launch).inspect_sass().values())
+        sass = "\n".join(interface.kernel_for(plan, launch).dispatcher.inspect_sass().values())
         assert "HMMA" in sass, launch.kernel
         assert "LDL" not in sass and "STL" not in sass, launch.kernel
         assert "LDSM" in sass and "LDGSTS" in sass, launch.kernel  # ldmatrix and cp.async made it through

@@ -26,7 +26,9 @@ def query_block(block, q, k, block_m, left, right):
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     h, b = block.y, block.z
     hk = h // (q.shape[2] // k.shape[2])
-    row_start = block.x * block_m
+    # The last query blocks come first: under a causal mask they see the most keys, and blocks start in
+    # blockIdx.x order, so the longest ones no longer start last and leave SMs idle at the end of the grid.
+    row_start = ((seqlen_q + block_m - 1) // block_m - 1 - block.x) * block_m
     row_end = min(row_start + block_m, seqlen_q)
     lo, hi = masks.block_key_range(row_start, row_end, seqlen_q, seqlen_k, left, right)
     return b, h, hk, row_start, row_end, lo, hi

@@ -3,17 +3,17 @@
 The schedule of the CUDA-core backward (`simt_backward`), deterministic, with no atomics: D =
 rowsum(dO * O) by its preprocess kernel (shared), then two tensor-core kernels.
 
-* ``dkdv``: one block per (key block, kv head, batch element); each warp owns 16 keys. K and V stay in
-  shared memory while query tiles (Q, dO, and the rows' LSE and D) stream past, double-buffered with
-  cp.async, for every query head of the GQA group in a fixed order. Per tile a warp computes
-  S^T = K Q^T, P^T = exp2(S^T scale log2(e) - LSE), dV += P^T dO, dP^T = V dO^T,
+* ``dkdv``: one block per (key block, kv head, batch element); each warp owns ``m_tiles`` m-tiles of 16
+  keys. K and V stay in shared memory while query tiles (Q, dO, and the rows' LSE and D) stream past,
+  double-buffered with cp.async, for every query head of the GQA group in a fixed order. Per tile a
+  warp computes S^T = K Q^T, P^T = exp2(S^T scale log2(e) - LSE), dV += P^T dO, dP^T = V dO^T,
   dS^T = P^T (dP^T - D) and dK += dS^T Q, all in registers: P^T and dS^T are repacked as the A
   operands of the next product (`mma_tiles`), and no score tile touches shared memory.
-* ``dq``: one block per (query block, head, batch element); each warp owns 16 query rows, whose LSE and
-  D sit in registers; K and V tiles stream past (double-buffered): S = Q K^T, dP = dO V^T,
-  dS = P (dP - D), dQ += dS K.
+* ``dq``: one block per (query block, head, batch element); each warp owns ``m_tiles`` m-tiles of 16
+  query rows, whose LSE and D sit in registers; K and V tiles stream past (double-buffered):
+  S = Q K^T, dP = dO V^T, dS = P (dP - D), dQ += dS K.
 
-Registers bound the design: a warp keeps its 16 x D dK and dV (or dQ) fragments for the whole kernel,
+Registers bound the design: a warp keeps its 16 m_tiles x D dK and dV (or dQ) fragments for the whole kernel,
 and a streamed tile is processed ``CHUNK`` columns at a time so that its S and dP fragments fit beside
 them (`chunk`). At headdim 256, dK and dV alone would take 256 registers per thread: the plan sends
 that head dim to the CUDA-core backward. P and dS are rounded to 16 bits as mma operands (as in
@@ -34,15 +34,16 @@ from .simt_backward import row_statistics
 MAX_HEADDIM = 128  # dK and dV fragments: 2 x D / 2 float32 registers per thread
 
 
-def chunk(D, block_n):
-    """Columns of a streamed tile per S/dP fragment (16 x CHUNK per warp).
+def chunk(tiles):
+    """Columns of a streamed tile per S/dP fragment (16 m_tiles x CHUNK per warp): 32 for one m-tile, 16 for two.
 
-    32 measured fastest on the H200 (fp16 backward, N = 4096, TFLOP/s for chunks of 16 / 32 / 64): 114 /
-    120 / 113 at headdim 64, 120 / 140 / - at 128, where 32 keeps the dK/dV kernel at 254 registers
-    with no local memory. Smaller chunks re-read K and V (or Q and dO) from shared memory more often;
-    larger ones cost registers and occupancy.
+    32 measured fastest on the H200 with one m-tile (fp16 backward, N = 4096, TFLOP/s for chunks of 16
+    / 32 / 64): 114 / 120 / 113 at headdim 64, 120 / 140 / - at 128, where 32 keeps the dK/dV kernel at
+    254 registers with no local memory. Smaller chunks re-read K and V (or Q and dO) from shared
+    memory more often; larger ones cost registers and occupancy. Two m-tiles keep the same 32 x 32
+    score fragments per warp (ptxas spilled 16 bytes of the dK/dV kernel at headdim 64 with 2 x 32).
     """
-    return min(block_n, 32)
+    return min(tiles.block_n, 32 // tiles.m_tiles)
 
 
 def layout_dkdv(D, tiles):
@@ -75,13 +76,16 @@ def _signature(n_outputs):
 
 
 def build_dkdv(D, tiles, storage):
-    BLOCK_M, BLOCK_N, WARPS = tiles.block_m, tiles.block_n, tiles.warps  # keys per block, queries per tile
-    THREADS, LD, CHUNK = 32 * WARPS, row_stride(D), chunk(D, tiles.block_n)
-    assert 2 * BLOCK_N <= THREADS, "one thread per staged statistic"
+    BLOCK_M, BLOCK_N, WARPS, M = tiles.block_m, tiles.block_n, tiles.warps, tiles.m_tiles
+    ROWS = 16 * M  # keys per warp, of the block's BLOCK_M; BLOCK_N queries per streamed tile
+    THREADS, LD, CHUNK = 32 * WARPS, row_stride(D), chunk(tiles)
+    STATS = 2 * BLOCK_N  # LSE and D of a query tile, staged by threads tid, tid + THREADS, ...
+    PER_THREAD = -(-STATS // THREADS)
     STATS_AT, K_AT, V_AT, Q_AT, DO_AT, END = layout_dkdv(D, tiles)
     NT, DT = CHUNK // 8, D // 8
+    M_NT, M_DT, M_ROWS = M * NT, M * DT, 2 * M  # fragment rows of S and dK; a lane's keys (g, g + 8 per m-tile)
     stage = stager(D, THREADS)
-    scores, accumulate = products(CHUNK, D, storage)
+    scores, accumulate = products(CHUNK, D, storage, M)
     write_grad = fragment_writer(D, storage)
     statistics = row_statistics(types.float32)
     ZERO, ONE, LN2 = types.float32(0), types.float32(1), types.float32(math.log(2.0))
@@ -96,11 +100,12 @@ def build_dkdv(D, tiles, storage):
         warp, lane = tid // 32, tid % 32
         g, t = lane >> 2, lane & 3
 
-        dk_acc = cuda.local.array((DT, 4), types.float32)  # 16 keys x D per warp
-        dv_acc = cuda.local.array((DT, 4), types.float32)
-        fill(dk_acc, DT, 4, ZERO)
-        fill(dv_acc, DT, 4, ZERO)
+        dk_acc = cuda.local.array((M_DT, 4), types.float32)  # ROWS keys x D per warp
+        dv_acc = cuda.local.array((M_DT, 4), types.float32)
+        fill(dk_acc, M_DT, 4, ZERO)
+        fill(dv_acc, M_DT, 4, ZERO)
         a_off, b_off, t_off = lane_offsets(lane, LD)
+        warp_key = key_start + warp * ROWS
 
         if q_lo < q_hi:  # block-uniform: no query sees these keys otherwise, and dK = dV = 0
             smem = cuda.shared.array(0, types.uint16)
@@ -113,19 +118,20 @@ def build_dkdv(D, tiles, storage):
             stage(smem, Q_AT, q, b, q_first, hk * group, BLOCK_N, tid, vec)
             stage(smem, DO_AT, dout, b, q_first, hk * group, BLOCK_N, tid, vec)
             cp_async_commit()
-            if tid < 2 * BLOCK_N:
-                lse2, dsum = statistics(lse, delta, b, hk * group, q_first + tid % BLOCK_N)
-                stats[tid] = lse2 if tid < BLOCK_N else dsum
-            k_at = K_AT + warp * 16 * LD + a_off
-            v_at = V_AT + warp * 16 * LD + a_off
-            s = cuda.local.array((NT, 4), types.float32)  # S^T, then P^T: 16 keys x CHUNK queries per warp
-            dp = cuda.local.array((NT, 4), types.float32)  # dP^T, then dS^T
+            for i in range(tid, STATS, THREADS):
+                lse2, dsum = statistics(lse, delta, b, hk * group, q_first + i % BLOCK_N)
+                stats[i] = lse2 if i < BLOCK_N else dsum
+            k_at = K_AT + warp * ROWS * LD + a_off
+            v_at = V_AT + warp * ROWS * LD + a_off
+            s = cuda.local.array((M_NT, 4), types.float32)  # S^T, then P^T: ROWS keys x CHUNK queries per warp
+            dp = cuda.local.array((M_NT, 4), types.float32)  # dP^T, then dS^T
+            frag = cuda.local.array((M, 4), types.uint32)  # A fragments of the warp's m-tiles (`products`)
+            next_stat = cuda.local.array(PER_THREAD, types.float32)
 
             for it in range(ntiles):
                 q_start = q_first + (it % per_head) * BLOCK_N
                 at = (it % 2) * BLOCK_N * LD
                 st = (it % 2) * 2 * BLOCK_N
-                next_stat = ZERO
                 if it + 1 < ntiles:
                     # The other stage was last read in the previous iteration, which ended with a barrier.
                     h_next = hk * group + (it + 1) // per_head
@@ -135,9 +141,11 @@ def build_dkdv(D, tiles, storage):
                     cp_async_commit()
                     # The next tile's LSE and D go to registers now and to shared memory after this
                     # tile's products, so the load's latency hides behind them.
-                    if tid < 2 * BLOCK_N:
-                        lse2, dsum = statistics(lse, delta, b, h_next, q_next + tid % BLOCK_N)
-                        next_stat = lse2 if tid < BLOCK_N else dsum
+                    for j in range(PER_THREAD):
+                        i = tid + j * THREADS
+                        if i < STATS:
+                            lse2, dsum = statistics(lse, delta, b, h_next, q_next + i % BLOCK_N)
+                            next_stat[j] = lse2 if i < BLOCK_N else dsum
                     cp_async_wait_one()  # this tile has landed; the next may still be in flight
                 else:
                     cp_async_wait_all()
@@ -146,7 +154,7 @@ def build_dkdv(D, tiles, storage):
                 for c0 in range(0, BLOCK_N, CHUNK):
                     c_start = q_start + c0
                     if c_start < q_hi and c_start + CHUNK > q_lo:  # block-uniform: the chunk meets a visible row
-                        scores(s, smem, k_at, Q_AT + at + c0 * LD + b_off)
+                        scores(s, frag, smem, k_at, Q_AT + at + c0 * LD + b_off)
                         full = masks.tile_is_full(c_start, min(c_start + CHUNK, seqlen_q), key_start,
                                                   key_start + BLOCK_M, seqlen_q, seqlen_k, left, right)
                         for j in range(NT):
@@ -155,39 +163,47 @@ def build_dkdv(D, tiles, storage):
                                 lo_q, hi_q = 0, seqlen_k  # a full chunk: every key visible, no bounds to compute
                                 if not full:
                                     lo_q, hi_q = masks.key_range(q_start + col, seqlen_q, seqlen_k, left, right)
-                                for half in range(2):
-                                    key = key_start + warp * 16 + g + 8 * half
+                                for r in range(M_ROWS):
+                                    mi, half = r // 2, r % 2
+                                    key = warp_key + 16 * mi + g + 8 * half
                                     p = ZERO
                                     if key >= lo_q and key < hi_q:
-                                        p = ex2(s[j, 2 * half + e] * scale_log2 - stats[st + col])
-                                    s[j, 2 * half + e] = p
-                        accumulate(dv_acc, s, smem, DO_AT + at + c0 * LD + t_off)  # dV += P^T dO
-                        scores(dp, smem, v_at, DO_AT + at + c0 * LD + b_off)
+                                        p = ex2(s[mi * NT + j, 2 * half + e] * scale_log2 - stats[st + col])
+                                    s[mi * NT + j, 2 * half + e] = p
+                        accumulate(dv_acc, s, frag, smem, DO_AT + at + c0 * LD + t_off)  # dV += P^T dO
+                        scores(dp, frag, smem, v_at, DO_AT + at + c0 * LD + b_off)
                         for j in range(NT):
                             for e in range(2):
                                 dsum = stats[st + BLOCK_N + c0 + 8 * j + 2 * t + e]
-                                for half in range(2):
-                                    dp[j, 2 * half + e] = s[j, 2 * half + e] * (dp[j, 2 * half + e] - dsum)
-                        accumulate(dk_acc, dp, smem, Q_AT + at + c0 * LD + t_off)  # dK += dS^T Q
-                if it + 1 < ntiles and tid < 2 * BLOCK_N:
-                    stats[2 * BLOCK_N - st + tid] = next_stat
+                                for mi in range(M):
+                                    for half in range(2):
+                                        x = mi * NT + j
+                                        dp[x, 2 * half + e] = s[x, 2 * half + e] * (dp[x, 2 * half + e] - dsum)
+                        accumulate(dk_acc, dp, frag, smem, Q_AT + at + c0 * LD + t_off)  # dK += dS^T Q
+                if it + 1 < ntiles:
+                    for j in range(PER_THREAD):
+                        if tid + j * THREADS < STATS:
+                            stats[STATS - st + tid + j * THREADS] = next_stat[j]
                 cuda.syncthreads()  # this stage is free for the copies issued at the top of the next iteration
 
         # dK = scale dS^T Q with scale = scale_log2 ln(2); the rows past seqlen_k are dropped.
         scale = scale_log2 * LN2
-        write_grad(dk, b, key_start + warp * 16, hk, dk_acc, scale, scale, g, t)
-        write_grad(dv, b, key_start + warp * 16, hk, dv_acc, ONE, ONE, g, t)
+        for mi in range(M):
+            write_grad(dk, b, warp_key + 16 * mi, hk, dk_acc, mi, scale, scale, g, t)
+            write_grad(dv, b, warp_key + 16 * mi, hk, dv_acc, mi, ONE, ONE, g, t)
 
     return attention_backward_dkdv_mma, _signature(2)
 
 
 def build_dq(D, tiles, storage):
-    BLOCK_M, BLOCK_N, WARPS = tiles.block_m, tiles.block_n, tiles.warps  # queries per block, keys per tile
-    THREADS, LD, CHUNK = 32 * WARPS, row_stride(D), chunk(D, tiles.block_n)
+    BLOCK_M, BLOCK_N, WARPS, M = tiles.block_m, tiles.block_n, tiles.warps, tiles.m_tiles
+    ROWS = 16 * M  # query rows per warp, of the block's BLOCK_M; BLOCK_N keys per streamed tile
+    THREADS, LD, CHUNK = 32 * WARPS, row_stride(D), chunk(tiles)
     Q_AT, DO_AT, K_AT, V_AT, END = layout_dq(D, tiles)
     NT, DT = CHUNK // 8, D // 8
+    M_NT, M_DT, M_ROWS = M * NT, M * DT, 2 * M  # fragment rows of S and dQ; a lane's rows (g, g + 8 per m-tile)
     stage = stager(D, THREADS)
-    scores, accumulate = products(CHUNK, D, storage)
+    scores, accumulate = products(CHUNK, D, storage, M)
     write_grad = fragment_writer(D, storage)
     statistics = row_statistics(types.float32)
     ZERO, LN2 = types.float32(0), types.float32(math.log(2.0))
@@ -201,9 +217,10 @@ def build_dq(D, tiles, storage):
         warp, lane = tid // 32, tid % 32
         g, t = lane >> 2, lane & 3
 
-        dq_acc = cuda.local.array((DT, 4), types.float32)  # 16 rows x D per warp
-        fill(dq_acc, DT, 4, ZERO)
+        dq_acc = cuda.local.array((M_DT, 4), types.float32)  # ROWS rows x D per warp
+        fill(dq_acc, M_DT, 4, ZERO)
         a_off, b_off, t_off = lane_offsets(lane, LD)
+        warp_row = row_start + warp * ROWS
 
         if lo < hi:  # block-uniform: these rows see no key otherwise, and dQ = 0
             smem = cuda.shared.array(0, types.uint16)
@@ -214,18 +231,20 @@ def build_dq(D, tiles, storage):
             stage(smem, K_AT, k, b, n_first, hk, BLOCK_N, tid, vec)
             stage(smem, V_AT, v, b, n_first, hk, BLOCK_N, tid, vec)
             cp_async_commit()
-            lse2 = cuda.local.array(2, types.float32)  # rows g and g + 8 of the warp's 16
-            dsum = cuda.local.array(2, types.float32)
-            lo_r = cuda.local.array(2, types.int64)
-            hi_r = cuda.local.array(2, types.int64)
-            for half in range(2):
-                row = row_start + warp * 16 + g + 8 * half
-                lse2[half], dsum[half] = statistics(lse, delta, b, h, row)
-                lo_r[half], hi_r[half] = masks.key_range(row, seqlen_q, seqlen_k, left, right)
-            q_at = Q_AT + warp * 16 * LD + a_off
-            do_at = DO_AT + warp * 16 * LD + a_off
-            s = cuda.local.array((NT, 4), types.float32)  # S, then P: 16 rows x CHUNK keys per warp
-            dp = cuda.local.array((NT, 4), types.float32)  # dP, then dS
+            # Entry r: row 16 (r // 2) + g + 8 (r % 2) of the warp's ROWS.
+            lse2 = cuda.local.array(M_ROWS, types.float32)
+            dsum = cuda.local.array(M_ROWS, types.float32)
+            lo_r = cuda.local.array(M_ROWS, types.int64)
+            hi_r = cuda.local.array(M_ROWS, types.int64)
+            for r in range(M_ROWS):
+                row = warp_row + 16 * (r // 2) + g + 8 * (r % 2)
+                lse2[r], dsum[r] = statistics(lse, delta, b, h, row)
+                lo_r[r], hi_r[r] = masks.key_range(row, seqlen_q, seqlen_k, left, right)
+            q_at = Q_AT + warp * ROWS * LD + a_off
+            do_at = DO_AT + warp * ROWS * LD + a_off
+            s = cuda.local.array((M_NT, 4), types.float32)  # S, then P: ROWS rows x CHUNK keys per warp
+            dp = cuda.local.array((M_NT, 4), types.float32)  # dP, then dS
+            frag = cuda.local.array((M, 4), types.uint32)  # A fragments of the warp's m-tiles (`products`)
 
             for it in range(ntiles):
                 n_start = n_first + it * BLOCK_N
@@ -243,24 +262,26 @@ def build_dq(D, tiles, storage):
                 for c0 in range(0, BLOCK_N, CHUNK):
                     c_start = n_start + c0
                     if c_start < hi and c_start + CHUNK > lo:  # block-uniform: the chunk meets a visible key
-                        scores(s, smem, q_at, K_AT + at + c0 * LD + b_off)
-                        scores(dp, smem, do_at, V_AT + at + c0 * LD + b_off)
+                        scores(s, frag, smem, q_at, K_AT + at + c0 * LD + b_off)
+                        scores(dp, frag, smem, do_at, V_AT + at + c0 * LD + b_off)
                         full = masks.tile_is_full(row_start, row_end, c_start, c_start + CHUNK, seqlen_q, seqlen_k,
                                                   left, right)
-                        for half in range(2):
-                            for j in range(NT):
+                        for r in range(M_ROWS):
+                            mi, half = r // 2, r % 2
+                            for j in range(mi * NT, mi * NT + NT):
                                 for e in range(2):
-                                    key = c_start + 8 * j + 2 * t + e
+                                    key = c_start + 8 * (j - mi * NT) + 2 * t + e
                                     ds = ZERO
-                                    if full or (key >= lo_r[half] and key < hi_r[half]):
-                                        p = ex2(s[j, 2 * half + e] * scale_log2 - lse2[half])
-                                        ds = p * (dp[j, 2 * half + e] - dsum[half])
+                                    if full or (key >= lo_r[r] and key < hi_r[r]):
+                                        p = ex2(s[j, 2 * half + e] * scale_log2 - lse2[r])
+                                        ds = p * (dp[j, 2 * half + e] - dsum[r])
                                     dp[j, 2 * half + e] = ds
-                        accumulate(dq_acc, dp, smem, K_AT + at + c0 * LD + t_off)  # dQ += dS K
+                        accumulate(dq_acc, dp, frag, smem, K_AT + at + c0 * LD + t_off)  # dQ += dS K
                 cuda.syncthreads()  # this stage is free for the copies issued at the top of the next iteration
 
         # dQ = scale dS K with scale = scale_log2 ln(2); the rows past seqlen_q are dropped.
         scale = scale_log2 * LN2
-        write_grad(dq, b, row_start + warp * 16, h, dq_acc, scale, scale, g, t)
+        for mi in range(M):
+            write_grad(dq, b, warp_row + 16 * mi, h, dq_acc, mi, scale, scale, g, t)
 
     return attention_backward_dq_mma, _signature(1)

@@ -1,11 +1,11 @@
 """Kernel v2: FlashAttention-2 forward on the tensor cores (mma.sync m16n8k16), float16 and bfloat16.
 
-One thread block of ``WARPS`` warps per (query block, head, batch element); each warp owns 16 query rows,
-so the online softmax needs no communication between warps. Per key tile a warp computes its 16 x
-BLOCK_N scores S = Q K^T as mma fragments (float32 accumulators in registers), masks and exponentiates
-them in registers, repacks them as the 16-bit A operand of P V (the accumulator layout of two n-tiles
-is exactly the A layout of one k-step), and adds P V into its 16 x D output fragments (the two
-products are `mma_tiles`'s ``scores`` and ``accumulate``).
+One thread block of ``WARPS`` warps per (query block, head, batch element); each warp owns ``M_TILES``
+m-tiles of 16 query rows, so the online softmax needs no communication between warps. Per key tile a
+warp computes its 16 M_TILES x BLOCK_N scores S = Q K^T as mma fragments (float32 accumulators in
+registers), masks and exponentiates them in registers, repacks them as the 16-bit A operand of P V
+(the accumulator layout of two n-tiles is exactly the A layout of one k-step), and adds P V into its
+16 M_TILES x D output fragments (the two products are `mma_tiles`'s ``scores`` and ``accumulate``).
 
 K and V tiles are double-buffered: while a tile is computed, the next one is in flight with cp.async
 (16 bytes per copy, straight to shared memory). Scores stay raw; ``softmax_scale * log2(e)``
@@ -37,12 +37,14 @@ def smem_elements(D, tiles):
 
 def build(D, tiles, storage):
     """The kernel for padded head dim ``D`` (a multiple of 16), `MmaTiles` and float16/bfloat16, and its signature."""
-    BLOCK_M, BLOCK_N, WARPS = tiles.block_m, tiles.block_n, tiles.warps
+    BLOCK_M, BLOCK_N, WARPS, M = tiles.block_m, tiles.block_n, tiles.warps, tiles.m_tiles
+    ROWS = 16 * M  # query rows per warp
     THREADS = 32 * WARPS
     LD, (Q_AT, K_AT, V_AT, END) = layout(D, tiles)
     NT, DT = BLOCK_N // 8, D // 8
+    M_DT, M_NT, M_ROWS = M * DT, M * NT, 2 * M  # fragment rows of O and S; a lane's rows (g and g + 8 per m-tile)
     stage = stager(D, THREADS)
-    scores, accumulate = products(BLOCK_N, D, storage)
+    scores, accumulate = products(BLOCK_N, D, storage, M)
     write_out = fragment_writer(D, storage)
     f32 = np.float32
     ZERO, ONE, NEG_INF, LN2 = f32(0), f32(1), f32(-np.inf), f32(math.log(2.0))
@@ -72,16 +74,19 @@ def build(D, tiles, storage):
         stage(smem, V_AT, v, b, n_first, hk, BLOCK_N, tid, vec)
         cp_async_commit()
 
-        acc = cuda.local.array((DT, 4), types.float32)  # O fragments: 16 rows x D per warp
-        s = cuda.local.array((NT, 4), types.float32)  # S fragments: 16 rows x BLOCK_N per warp
-        m_i = cuda.local.array(2, types.float32)  # rows g and g + 8 of the warp's 16
-        l_i = cuda.local.array(2, types.float32)
-        fill(acc, DT, 4, ZERO)
-        for half in range(2):
-            m_i[half] = NEG_INF
-            l_i[half] = ZERO
+        acc = cuda.local.array((M_DT, 4), types.float32)  # O fragments: ROWS x D per warp
+        s = cuda.local.array((M_NT, 4), types.float32)  # S fragments: ROWS x BLOCK_N per warp
+        frag = cuda.local.array((M, 4), types.uint32)  # A fragments of the warp's m-tiles (`products`)
+        # Row r of m_i, l_i is row 16 (r // 2) + g + 8 (r % 2) of the warp's ROWS.
+        m_i = cuda.local.array(M_ROWS, types.float32)
+        l_i = cuda.local.array(M_ROWS, types.float32)
+        fill(acc, M_DT, 4, ZERO)
+        for r in range(M_ROWS):
+            m_i[r] = NEG_INF
+            l_i[r] = ZERO
         a_off, b_off, t_off = lane_offsets(lane, LD)
-        q_at = Q_AT + warp * 16 * LD + a_off
+        warp_row = row_start + warp * ROWS
+        q_at = Q_AT + warp * ROWS * LD + a_off
 
         for it in range(ntiles):
             n_start = n_first + it * BLOCK_N
@@ -97,52 +102,54 @@ def build(D, tiles, storage):
                 cp_async_wait_all()
             cuda.syncthreads()  # every thread's copies of this tile (and of Q) are visible
 
-            scores(s, smem, q_at, k_base + b_off)
+            scores(s, frag, smem, q_at, k_base + b_off)
 
             if not masks.tile_is_full(row_start, row_end, n_start, n_start + BLOCK_N, seqlen_q, seqlen_k, left, right):
-                for half in range(2):
-                    lo_r, hi_r = masks.key_range(row_start + warp * 16 + g + 8 * half, seqlen_q, seqlen_k, left, right)
+                for r in range(M_ROWS):
+                    mi, half = r // 2, r % 2
+                    lo_r, hi_r = masks.key_range(warp_row + 16 * mi + g + 8 * half, seqlen_q, seqlen_k, left, right)
                     for j in range(NT):
                         for e in range(2):
                             key = n_start + 8 * j + 2 * t + e
                             if key < lo_r or key >= hi_r:
-                                s[j, 2 * half + e] = NEG_INF
+                                s[mi * NT + j, 2 * half + e] = NEG_INF
 
-            # Online softmax on rows g and g + 8; a row's BLOCK_N scores sit in the 4 lanes of a quad.
-            for half in range(2):
-                row_max = s[0, 2 * half]
-                for j in range(NT):
+            # Online softmax on the lane's 2 M rows; a row's BLOCK_N scores sit in the 4 lanes of a quad.
+            for r in range(M_ROWS):
+                mi, half = r // 2, r % 2
+                row_max = s[mi * NT, 2 * half]
+                for j in range(mi * NT, mi * NT + NT):
                     row_max = max(row_max, max(s[j, 2 * half], s[j, 2 * half + 1]))
-                m_new = max(m_i[half], group_max(row_max, 4))
+                m_new = max(m_i[r], group_max(row_max, 4))
                 # A row that has seen only hidden keys keeps m = -inf; exponentiate it against 0.
                 base = m_new * scale_log2 if m_new != NEG_INF else ZERO
-                alpha = ex2(m_i[half] * scale_log2 - base)
-                m_i[half] = m_new
+                alpha = ex2(m_i[r] * scale_log2 - base)
+                m_i[r] = m_new
                 row_sum = ZERO
-                for j in range(NT):
+                for j in range(mi * NT, mi * NT + NT):
                     for e in range(2):
                         p = ex2(s[j, 2 * half + e] * scale_log2 - base)
                         s[j, 2 * half + e] = p
                         row_sum += p
-                l_i[half] = l_i[half] * alpha + row_sum  # a per-lane partial sum; the quad adds them at the end
-                for j in range(DT):
+                l_i[r] = l_i[r] * alpha + row_sum  # a per-lane partial sum; the quad adds them at the end
+                for j in range(mi * DT, mi * DT + DT):
                     acc[j, 2 * half] *= alpha
                     acc[j, 2 * half + 1] *= alpha
 
-            accumulate(acc, s, smem, v_base + t_off)  # O += P V, P rounded to 16 bits
+            accumulate(acc, s, frag, smem, v_base + t_off)  # O += P V, P rounded to 16 bits
             cuda.syncthreads()  # this stage is free for the copy issued at the top of the next iteration
 
         # One normalization at the end; O and LSE written once.
-        l_row = cuda.local.array(2, types.float32)
-        inv = cuda.local.array(2, types.float32)
-        for half in range(2):
-            l_row[half] = group_sum(l_i[half], 4)
-            inv[half] = ONE / l_row[half] if l_row[half] > ZERO else ZERO
-        write_out(out, b, row_start + warp * 16, h, acc, inv[0], inv[1], g, t)
-        for half in range(2):
-            row = row_start + warp * 16 + g + 8 * half
+        l_row = cuda.local.array(M_ROWS, types.float32)
+        inv = cuda.local.array(M_ROWS, types.float32)
+        for r in range(M_ROWS):
+            l_row[r] = group_sum(l_i[r], 4)
+            inv[r] = ONE / l_row[r] if l_row[r] > ZERO else ZERO
+        for mi in range(M):
+            write_out(out, b, warp_row + 16 * mi, h, acc, mi, inv[2 * mi], inv[2 * mi + 1], g, t)
+        for r in range(M_ROWS):
+            row = warp_row + 16 * (r // 2) + g + 8 * (r % 2)
             if row < seqlen_q and t == 0:
-                lse[b, h, row] = ((m_i[half] * scale_log2 + math.log2(l_row[half])) * LN2
-                                  if l_row[half] > ZERO else NEG_INF)
+                lse[b, h, row] = ((m_i[r] * scale_log2 + math.log2(l_row[r])) * LN2 if l_row[r] > ZERO else NEG_INF)
 
     return attention_forward_mma, signature

@@ -1,17 +1,19 @@
 """Building blocks of the tensor-core kernels: staging 16-bit tiles with cp.async, and warp-level products.
 
-Every product in the tensor-core forward and backward has one of two shapes, for a warp that owns 16
-rows of its left operand:
+Every product in the tensor-core forward and backward has one of two shapes, for a warp that owns M
+m-tiles (16 M consecutive rows) of its left operand:
 
-* `products` -> ``scores(s, smem, a_at, b_at)``: ``s = A B^T``, a 16 x N tile of float32 accumulators,
-  with A's 16 rows and B's N rows both in shared memory and the head dimension D contracted
+* `products` -> ``scores(s, a, smem, a_at, b_at)``: ``s = A B^T``, a 16 M x N tile of float32
+  accumulators, with A's rows and B's N rows both in shared memory and the head dimension D contracted
   (S = Q K^T, dP = dO V^T, and their transposes S^T = K Q^T, dP^T = V dO^T in the dK/dV kernel).
   A comes through ldmatrix as the A operand, B's rows through ldmatrix as the B operand's columns.
-* ``accumulate(acc, p, smem, b_at)``: ``acc += P B``, 16 x D, where P (16 x N) is a `scores` tile in
-  registers, rounded to 16 bits and repacked as the A operand (the accumulators of two n-tiles are
-  exactly the A fragment of one k-step), and B's N rows of D come through ldmatrix.trans
+* ``accumulate(acc, p, a, smem, b_at)``: ``acc += P B``, 16 M x D, where P (16 M x N) is a `scores`
+  tile in registers, rounded to 16 bits and repacked as the A operand (the accumulators of two n-tiles
+  are exactly the A fragment of one k-step), and B's N rows of D come through ldmatrix.trans
   (O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q).
 
+``a`` is the caller's (M, 4) uint32 scratch for the A fragments (a device function cannot allocate a
+local array under the simulator).
 Tiles sit in shared memory row-major with rows padded by 8 halves (16 bytes), so the 8 rows one
 ldmatrix reads fall in distinct banks. ``lane_offsets`` gives each lane's ldmatrix row address for
 the three ways an operand is read; callers add it to a tile's base once.
@@ -76,61 +78,75 @@ def stager(D, THREADS):
     return stage
 
 
-def products(N, D, storage):
-    """``(scores, accumulate)`` for 16 x N score tiles over head dim D, in float16 or bfloat16."""
+def products(N, D, storage, M=1):
+    """``(scores, accumulate)`` for a warp that owns ``M`` m-tiles (16 M consecutive rows of its left
+    operand), with 16 M x N score tiles over head dim D, in float16 or bfloat16.
+
+    A warp's fragments of m-tile ``i`` are rows ``i * N / 8 ..`` of its score arrays and ``i * D / 8 ..``
+    of its accumulators. Every B fragment read from shared memory feeds the M m-tiles' mma: at M = 2 a
+    warp reads half as many B bytes per mma, which is what bounds these products at M = 1 (one
+    512-byte ldmatrix.x4 takes about as long as the two mma it feeds).
+    """
     LD, NT, KS, PS, DT = row_stride(D), N // 8, D // 16, N // 16, D // 8
     mma, pack = (mma_f16, pack_f16) if storage == "float16" else (mma_bf16, pack_bf16)
     ZERO = types.float32(0)
 
     @device_function
-    def scores(s, smem, a_at, b_at):
-        # s: (N / 8, 4) fragments; a_at, b_at: tile bases plus the lane's A and B offsets
-        fill(s, NT, 4, ZERO)
-        for kk in range(KS):
-            a0, a1, a2, a3 = ldmatrix_x4(smem, a_at + kk * 16)
-            for jp in range(NT // 2):
-                b0, b1, b2, b3 = ldmatrix_x4(smem, b_at + jp * 16 * LD + kk * 16)
-                s[2 * jp, 0], s[2 * jp, 1], s[2 * jp, 2], s[2 * jp, 3] = mma(
-                    a0, a1, a2, a3, b0, b1, s[2 * jp, 0], s[2 * jp, 1], s[2 * jp, 2], s[2 * jp, 3])
-                s[2 * jp + 1, 0], s[2 * jp + 1, 1], s[2 * jp + 1, 2], s[2 * jp + 1, 3] = mma(
-                    a0, a1, a2, a3, b2, b3, s[2 * jp + 1, 0], s[2 * jp + 1, 1], s[2 * jp + 1, 2], s[2 * jp + 1, 3])
+    def mma_into(c, row, a, mi, b0, b1):
+        c[row, 0], c[row, 1], c[row, 2], c[row, 3] = mma(
+            a[mi, 0], a[mi, 1], a[mi, 2], a[mi, 3], b0, b1, c[row, 0], c[row, 1], c[row, 2], c[row, 3])
 
     @device_function
-    def accumulate(acc, p, smem, b_at):
-        # acc: (D / 8, 4) fragments; p: (N / 8, 4) scores-shaped; b_at: tile base plus the lane's .trans offset
+    def scores(s, a, smem, a_at, b_at):
+        # s: (M * N / 8, 4) fragments; a: (M, 4) uint32 scratch for the m-tiles' A fragments of a k-step;
+        # a_at, b_at: tile bases plus the lane's A and B offsets
+        fill(s, M * NT, 4, ZERO)
+        for kk in range(KS):
+            for mi in range(M):
+                a[mi, 0], a[mi, 1], a[mi, 2], a[mi, 3] = ldmatrix_x4(smem, a_at + mi * 16 * LD + kk * 16)
+            for jp in range(NT // 2):
+                b0, b1, b2, b3 = ldmatrix_x4(smem, b_at + jp * 16 * LD + kk * 16)
+                for mi in range(M):
+                    mma_into(s, mi * NT + 2 * jp, a, mi, b0, b1)
+                    mma_into(s, mi * NT + 2 * jp + 1, a, mi, b2, b3)
+
+    @device_function
+    def accumulate(acc, p, a, smem, b_at):
+        # acc: (M * D / 8, 4) fragments; p: scores-shaped; a: (M, 4) uint32 scratch for P's A fragments;
+        # b_at: tile base plus the lane's .trans offset
         for ks in range(PS):
-            a0 = pack(p[2 * ks, 0], p[2 * ks, 1])
-            a1 = pack(p[2 * ks, 2], p[2 * ks, 3])
-            a2 = pack(p[2 * ks + 1, 0], p[2 * ks + 1, 1])
-            a3 = pack(p[2 * ks + 1, 2], p[2 * ks + 1, 3])
+            for mi in range(M):
+                j = mi * NT + 2 * ks
+                a[mi, 0] = pack(p[j, 0], p[j, 1])
+                a[mi, 1] = pack(p[j, 2], p[j, 3])
+                a[mi, 2] = pack(p[j + 1, 0], p[j + 1, 1])
+                a[mi, 3] = pack(p[j + 1, 2], p[j + 1, 3])
             for dp in range(DT // 2):
                 b0, b1, b2, b3 = ldmatrix_x4_trans(smem, b_at + ks * 16 * LD + dp * 16)
-                acc[2 * dp, 0], acc[2 * dp, 1], acc[2 * dp, 2], acc[2 * dp, 3] = mma(
-                    a0, a1, a2, a3, b0, b1, acc[2 * dp, 0], acc[2 * dp, 1], acc[2 * dp, 2], acc[2 * dp, 3])
-                acc[2 * dp + 1, 0], acc[2 * dp + 1, 1], acc[2 * dp + 1, 2], acc[2 * dp + 1, 3] = mma(
-                    a0, a1, a2, a3, b2, b3,
-                    acc[2 * dp + 1, 0], acc[2 * dp + 1, 1], acc[2 * dp + 1, 2], acc[2 * dp + 1, 3])
+                for mi in range(M):
+                    mma_into(acc, mi * DT + 2 * dp, a, mi, b0, b1)
+                    mma_into(acc, mi * DT + 2 * dp + 1, a, mi, b2, b3)
 
     return scores, accumulate
 
 
 def fragment_writer(D, storage):
-    """``write(dst, b, row0, h, acc, scale_g, scale_g8, g, t)``: a warp's 16 x D fragments, rows ``g`` and
-    ``g + 8`` times ``scale_g`` and ``scale_g8``, rounded to 16 bits, into rows ``row0 + g`` and
-    ``row0 + g + 8`` of head ``h`` (rows past the sequence and columns past the head dim are dropped).
-    Each lane holds two adjacent columns per 8-column n-tile."""
+    """``write(dst, b, row0, h, acc, mi, scale_g, scale_g8, g, t)``: m-tile ``mi``'s 16 x D fragments (rows
+    ``mi * D / 8 ..`` of ``acc``), rows ``g`` and ``g + 8`` times ``scale_g`` and ``scale_g8``, rounded to
+    16 bits, into rows ``row0 + g`` and ``row0 + g + 8`` of head ``h`` (rows past the sequence and
+    columns past the head dim are dropped). Each lane holds two adjacent columns per 8-column n-tile."""
     DT = D // 8
     pack = pack_f16 if storage == "float16" else pack_bf16
 
     @device_function
-    def write(dst, b, row0, h, acc, scale_g, scale_g8, g, t):
+    def write(dst, b, row0, h, acc, mi, scale_g, scale_g8, g, t):
         for half in range(2):
             row = row0 + g + 8 * half
             scale = scale_g8 if half else scale_g
             if row < dst.shape[1]:
                 for j in range(DT):
                     col = 8 * j + 2 * t
-                    word = pack(acc[j, 2 * half] * scale, acc[j, 2 * half + 1] * scale)
+                    word = pack(acc[mi * DT + j, 2 * half] * scale, acc[mi * DT + j, 2 * half + 1] * scale)
                     if col < dst.shape[3]:
                         dst[b, row, h, col] = types.uint16(word & 0xFFFF)
                     if col + 1 < dst.shape[3]:
