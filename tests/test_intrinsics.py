@@ -43,7 +43,9 @@ def test_mma_m16n8k16_is_a_times_b_plus_c(dtype, mma, arrays):
 
 @cuda.jit
 def ldmatrix_kernel(src, out, trans):
-    smem = cuda.shared.array(16 * 24, uint16)  # a 16 x 16 tile, rows padded to 24 halves
+    # A 16 x 16 tile, rows padded to 24 halves. Dynamic shared memory, as in the kernels: the simulator
+    # allocates a static array on first use without a lock, and two threads could each get their own.
+    smem = cuda.shared.array(0, uint16)
     lane = cuda.threadIdx.x
     for e in range(lane, 16 * 16, 32):
         smem[(e // 16) * 24 + e % 16] = src[e]
@@ -64,7 +66,7 @@ def test_ldmatrix_x4_gives_each_lane_its_fragment(trans, arrays):
     to_device, to_host = arrays
     tile = np.arange(256, dtype=np.uint16).reshape(16, 16)
     out = to_device(np.zeros((32, 4), np.uint32))
-    ldmatrix_kernel[1, 32](to_device(tile.ravel()), out, trans)
+    ldmatrix_kernel[1, 32, 0, 16 * 24 * 2](to_device(tile.ravel()), out, trans)
     got = to_host(out)
     for lane in range(32):
         g, t = lane // 4, lane % 4
@@ -77,7 +79,7 @@ def test_ldmatrix_x4_gives_each_lane_its_fragment(trans, arrays):
 
 @cuda.jit
 def cp_async_kernel(src, out, rows):
-    smem = cuda.shared.array(4 * 16, uint16)
+    smem = cuda.shared.array(0, uint16)  # 4 x 16 halves, dynamic as in `ldmatrix_kernel`
     i = cuda.threadIdx.x  # 8 threads: 4 rows x 2 chunks of 8 halves
     row, chunk = i // 2, (i % 2) * 8
     ok = row < rows
@@ -93,7 +95,7 @@ def test_cp_async_copies_16_bytes_and_zero_fills(arrays):
     to_device, to_host = arrays
     src = np.arange(1, 3 * 16 + 1, dtype=np.uint16).reshape(1, 3, 1, 16)
     out = to_device(np.full((4, 16), 7, np.uint16))
-    cp_async_kernel[1, 8](to_device(src), out, 3)
+    cp_async_kernel[1, 8, 0, 4 * 16 * 2](to_device(src), out, 3)
     want = np.zeros((4, 16), np.uint16)
     want[:3] = src[0, :, 0]
     np.testing.assert_array_equal(to_host(out), want)
