@@ -84,6 +84,10 @@ class MmaTiles:
     warps: int
     m_tiles: int = 1
 
+    def __post_init__(self):
+        if self.block_m != self.rows_per_warp * self.warps:
+            raise ValueError(f"tensor-core blocks have block_m = 16 x m_tiles x warps rows; got {self}")
+
     @property
     def rows_per_warp(self):
         return 16 * self.m_tiles
@@ -341,8 +345,6 @@ def _mma_forward_plan(shape, device, tiles):
 
     D = mma_headdim_bucket(shape["headdim"])
     tiles = tiles or (SIMULATOR_MMA_TILES if device.simulator else MMA_TILES[D])
-    if tiles.block_m != tiles.rows_per_warp * tiles.warps:
-        raise ValueError(f"the tensor-core forward takes block_m = 16 x m_tiles x warps query rows; got {tiles}")
     smem = (2 * mma_forward.smem_elements(D, tiles),)
     _check_smem("forward", smem, shape, device)
     registers = 4 * (tiles.block_m * D + tiles.block_m * tiles.block_n + 2 * tiles.block_m)
@@ -356,8 +358,8 @@ def _mma_backward_plan(shape, device, tiles):
 
     D = mma_headdim_bucket(shape["headdim"])
     tiles = tiles or (SIMULATOR_MMA_BACKWARD_TILES if device.simulator else MMA_BACKWARD_TILES[D])
-    if tiles.block_m != tiles.block_n or tiles.block_m != tiles.rows_per_warp * tiles.warps:
-        raise ValueError(f"the tensor-core backward takes square tiles of 16 x m_tiles rows per warp; got {tiles}")
+    if tiles.block_m != tiles.block_n:
+        raise ValueError(f"the tensor-core backward takes square tiles (block_m = block_n); got {tiles}")
     smem = (2 * mma_backward.smem_elements_dkdv(D, tiles), 2 * mma_backward.smem_elements_dq(D, tiles))
     _check_smem("backward", smem, shape, device)
     chunk = mma_backward.chunk(tiles)

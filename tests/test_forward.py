@@ -144,8 +144,7 @@ def test_production_kernels_keep_their_accumulators_in_registers(dtype):
         for backward in (False, True):
             plan = tiling.make_plan(1, 1, 1, 512, 512, headdim, dtype, backward=backward)
             for launch in plan.launches:
-                kernel = interface.kernel_for(plan, launch)
-                attrs = next(iter(kernel.dispatcher.overloads.values()))._codelibrary.get_cufunc().attrs
+                attrs = interface.kernel_for(plan, launch).cufunc().attrs
                 assert attrs.local == 0, f"{launch.kernel} {dtype} d={headdim}: {attrs.local} bytes of local memory"
                 assert attrs.regs * launch.threads <= cuda.get_current_device().MAX_REGISTERS_PER_BLOCK
 

@@ -71,15 +71,19 @@ class Kernel:
         function = self._function(stream.device, smem_bytes)
         launch(stream, LaunchConfig(grid=grid, block=threads, shmem_size=smem_bytes), function, *params)
 
+    def cufunc(self):
+        """numba's CUfunction of this kernel on the current device (its resources are ``.attrs``)."""
+        return next(iter(self.dispatcher.overloads.values()))._codelibrary.get_cufunc()
+
     def _function(self, device, smem_bytes):
-        key = (device, smem_bytes > STATIC_SMEM_LIMIT and smem_bytes)
-        if key not in self._functions:
+        # One entry per device: a specialization's shared memory is fixed by its head dim and tiles.
+        if device not in self._functions:
             from numba.cuda.cudadrv.driver import binding, driver
 
-            cufunc = next(iter(self.dispatcher.overloads.values()))._codelibrary.get_cufunc()
+            cufunc = self.cufunc()
             if smem_bytes > STATIC_SMEM_LIMIT:
                 # Shared memory past 48 KiB must be requested per function and device (cudaFuncSetAttribute).
                 attribute = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
                 driver.cuKernelSetAttribute(attribute, smem_bytes, cufunc.handle, device)
-            self._functions[key] = cufunc.kernel
-        return self._functions[key]
+            self._functions[device] = cufunc.kernel
+        return self._functions[device]

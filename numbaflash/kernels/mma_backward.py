@@ -26,8 +26,8 @@ from numba import cuda, types
 
 from .. import masks
 from .blocks import key_block, query_block
-from .intrinsics import cp_async_commit, cp_async_wait_all, cp_async_wait_one, ex2
-from .mma_tiles import fragment_writer, lane_offsets, products, row_stride, stager
+from .intrinsics import cp_async_commit, cp_async_wait_all, cp_async_wait_one, device_function, ex2
+from .mma_tiles import fragment_writer, lane_offsets, lane_row, products, row_stride, stager
 from .register_tiles import fill
 from .simt_backward import row_statistics
 
@@ -90,6 +90,23 @@ def build_dkdv(D, tiles, storage):
     statistics = row_statistics(types.float32)
     ZERO, ONE, LN2 = types.float32(0), types.float32(1), types.float32(math.log(2.0))
 
+    @device_function
+    def load_stats(regs, lse, delta, b, h, q0, tid):
+        """This thread's share of the statistics of query rows q0 ..: regs[j] is entry tid + j THREADS of
+        (LSE of rows 0 .. BLOCK_N - 1, then their D)."""
+        for j in range(PER_THREAD):
+            i = tid + j * THREADS
+            if i < STATS:
+                lse2, dsum = statistics(lse, delta, b, h, q0 + i % BLOCK_N)
+                regs[j] = lse2 if i < BLOCK_N else dsum
+
+    @device_function
+    def store_stats(stats, at, regs, tid):
+        """`load_stats`'s share into the stage of ``stats`` that starts at ``at``."""
+        for j in range(PER_THREAD):
+            if tid + j * THREADS < STATS:
+                stats[at + tid + j * THREADS] = regs[j]
+
     def attention_backward_dkdv_mma(q, k, v, dout, lse, delta, dk, dv, scale_log2, left, right, vec):
         # q, dout: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v, dk, dv: (batch, seqlen_k, nheads_kv,
         # headdim); lse, delta: (batch, nheads, seqlen_q)
@@ -118,15 +135,14 @@ def build_dkdv(D, tiles, storage):
             stage(smem, Q_AT, q, b, q_first, hk * group, BLOCK_N, tid, vec)
             stage(smem, DO_AT, dout, b, q_first, hk * group, BLOCK_N, tid, vec)
             cp_async_commit()
-            for i in range(tid, STATS, THREADS):
-                lse2, dsum = statistics(lse, delta, b, hk * group, q_first + i % BLOCK_N)
-                stats[i] = lse2 if i < BLOCK_N else dsum
+            next_stat = cuda.local.array(PER_THREAD, types.float32)
+            load_stats(next_stat, lse, delta, b, hk * group, q_first, tid)
+            store_stats(stats, 0, next_stat, tid)
             k_at = K_AT + warp * ROWS * LD + a_off
             v_at = V_AT + warp * ROWS * LD + a_off
             s = cuda.local.array((M_NT, 4), types.float32)  # S^T, then P^T: ROWS keys x CHUNK queries per warp
             dp = cuda.local.array((M_NT, 4), types.float32)  # dP^T, then dS^T
             frag = cuda.local.array((M, 4), types.uint32)  # A fragments of the warp's m-tiles (`products`)
-            next_stat = cuda.local.array(PER_THREAD, types.float32)
 
             for it in range(ntiles):
                 q_start = q_first + (it % per_head) * BLOCK_N
@@ -141,11 +157,7 @@ def build_dkdv(D, tiles, storage):
                     cp_async_commit()
                     # The next tile's LSE and D go to registers now and to shared memory after this
                     # tile's products, so the load's latency hides behind them.
-                    for j in range(PER_THREAD):
-                        i = tid + j * THREADS
-                        if i < STATS:
-                            lse2, dsum = statistics(lse, delta, b, h_next, q_next + i % BLOCK_N)
-                            next_stat[j] = lse2 if i < BLOCK_N else dsum
+                    load_stats(next_stat, lse, delta, b, h_next, q_next, tid)
                     cp_async_wait_one()  # this tile has landed; the next may still be in flight
                 else:
                     cp_async_wait_all()
@@ -165,7 +177,7 @@ def build_dkdv(D, tiles, storage):
                                     lo_q, hi_q = masks.key_range(q_start + col, seqlen_q, seqlen_k, left, right)
                                 for r in range(M_ROWS):
                                     mi, half = r // 2, r % 2
-                                    key = warp_key + 16 * mi + g + 8 * half
+                                    key = warp_key + lane_row(r, g)
                                     p = ZERO
                                     if key >= lo_q and key < hi_q:
                                         p = ex2(s[mi * NT + j, 2 * half + e] * scale_log2 - stats[st + col])
@@ -181,9 +193,7 @@ def build_dkdv(D, tiles, storage):
                                         dp[x, 2 * half + e] = s[x, 2 * half + e] * (dp[x, 2 * half + e] - dsum)
                         accumulate(dk_acc, dp, frag, smem, Q_AT + at + c0 * LD + t_off)  # dK += dS^T Q
                 if it + 1 < ntiles:
-                    for j in range(PER_THREAD):
-                        if tid + j * THREADS < STATS:
-                            stats[STATS - st + tid + j * THREADS] = next_stat[j]
+                    store_stats(stats, STATS - st, next_stat, tid)
                 cuda.syncthreads()  # this stage is free for the copies issued at the top of the next iteration
 
         # dK = scale dS^T Q with scale = scale_log2 ln(2); the rows past seqlen_k are dropped.
@@ -231,13 +241,13 @@ def build_dq(D, tiles, storage):
             stage(smem, K_AT, k, b, n_first, hk, BLOCK_N, tid, vec)
             stage(smem, V_AT, v, b, n_first, hk, BLOCK_N, tid, vec)
             cp_async_commit()
-            # Entry r: row 16 (r // 2) + g + 8 (r % 2) of the warp's ROWS.
+            # Entry r: row `lane_row(r, g)` of the warp's ROWS.
             lse2 = cuda.local.array(M_ROWS, types.float32)
             dsum = cuda.local.array(M_ROWS, types.float32)
             lo_r = cuda.local.array(M_ROWS, types.int64)
             hi_r = cuda.local.array(M_ROWS, types.int64)
             for r in range(M_ROWS):
-                row = warp_row + 16 * (r // 2) + g + 8 * (r % 2)
+                row = warp_row + lane_row(r, g)
                 lse2[r], dsum[r] = statistics(lse, delta, b, h, row)
                 lo_r[r], hi_r[r] = masks.key_range(row, seqlen_q, seqlen_k, left, right)
             q_at = Q_AT + warp * ROWS * LD + a_off
@@ -268,14 +278,15 @@ def build_dq(D, tiles, storage):
                                                   left, right)
                         for r in range(M_ROWS):
                             mi, half = r // 2, r % 2
-                            for j in range(mi * NT, mi * NT + NT):
+                            for j in range(NT):
                                 for e in range(2):
-                                    key = c_start + 8 * (j - mi * NT) + 2 * t + e
+                                    key = c_start + 8 * j + 2 * t + e
+                                    x = mi * NT + j
                                     ds = ZERO
                                     if full or (key >= lo_r[r] and key < hi_r[r]):
-                                        p = ex2(s[j, 2 * half + e] * scale_log2 - lse2[r])
-                                        ds = p * (dp[j, 2 * half + e] - dsum[r])
-                                    dp[j, 2 * half + e] = ds
+                                        p = ex2(s[x, 2 * half + e] * scale_log2 - lse2[r])
+                                        ds = p * (dp[x, 2 * half + e] - dsum[r])
+                                    dp[x, 2 * half + e] = ds
                         accumulate(dq_acc, dp, frag, smem, K_AT + at + c0 * LD + t_off)  # dQ += dS K
                 cuda.syncthreads()  # this stage is free for the copies issued at the top of the next iteration
 

@@ -20,7 +20,7 @@ from numba import cuda, types
 from .. import masks
 from .blocks import query_block, write_hidden_rows
 from .intrinsics import cp_async_commit, cp_async_wait_all, cp_async_wait_one, ex2, group_max, group_sum
-from .mma_tiles import fragment_writer, lane_offsets, products, row_stride, stager
+from .mma_tiles import fragment_writer, lane_offsets, lane_row, products, row_stride, stager
 from .register_tiles import fill
 
 
@@ -77,7 +77,7 @@ def build(D, tiles, storage):
         acc = cuda.local.array((M_DT, 4), types.float32)  # O fragments: ROWS x D per warp
         s = cuda.local.array((M_NT, 4), types.float32)  # S fragments: ROWS x BLOCK_N per warp
         frag = cuda.local.array((M, 4), types.uint32)  # A fragments of the warp's m-tiles (`products`)
-        # Row r of m_i, l_i is row 16 (r // 2) + g + 8 (r % 2) of the warp's ROWS.
+        # Row r of m_i, l_i is row `lane_row(r, g)` of the warp's ROWS.
         m_i = cuda.local.array(M_ROWS, types.float32)
         l_i = cuda.local.array(M_ROWS, types.float32)
         fill(acc, M_DT, 4, ZERO)
@@ -107,7 +107,7 @@ def build(D, tiles, storage):
             if not masks.tile_is_full(row_start, row_end, n_start, n_start + BLOCK_N, seqlen_q, seqlen_k, left, right):
                 for r in range(M_ROWS):
                     mi, half = r // 2, r % 2
-                    lo_r, hi_r = masks.key_range(warp_row + 16 * mi + g + 8 * half, seqlen_q, seqlen_k, left, right)
+                    lo_r, hi_r = masks.key_range(warp_row + lane_row(r, g), seqlen_q, seqlen_k, left, right)
                     for j in range(NT):
                         for e in range(2):
                             key = n_start + 8 * j + 2 * t + e
@@ -148,7 +148,7 @@ def build(D, tiles, storage):
         for mi in range(M):
             write_out(out, b, warp_row + 16 * mi, h, acc, mi, inv[2 * mi], inv[2 * mi + 1], g, t)
         for r in range(M_ROWS):
-            row = warp_row + 16 * (r // 2) + g + 8 * (r % 2)
+            row = warp_row + lane_row(r, g)
             if row < seqlen_q and t == 0:
                 lse[b, h, row] = ((m_i[r] * scale_log2 + math.log2(l_row[r])) * LN2 if l_row[r] > ZERO else NEG_INF)
 

@@ -45,6 +45,13 @@ def lane_offsets(lane, ld):
     return a, b, t
 
 
+@device_function
+def lane_row(r, g):
+    """The row, among a warp's 16 M, of a lane's fragment row ``r`` (0 .. 2 M - 1): rows ``g`` and ``g + 8`` of
+    each m-tile, as the accumulator layout of m16n8k16 places them (lane ``4 g + t``)."""
+    return 16 * (r // 2) + g + 8 * (r % 2)
+
+
 def stager(D, THREADS):
     """``stage(smem, at, src, b, row0, h, rows, tid, vec)``: rows ``row0 ..`` of head ``h`` of a 4-D
     (batch, seqlen, heads, headdim) array of 16-bit words into shared memory at ``at`` (row stride
