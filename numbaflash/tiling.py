@@ -98,6 +98,29 @@ class MmaTiles:
 
 
 @dataclass(frozen=True)
+class WgmmaTiles:
+    """Blocks of the wgmma kernels (Hopper): ``warpgroups`` warpgroups of 64 query rows each per block of
+    ``block_m`` rows, ``block_n`` keys per streamed tile, K and V each in a ring of ``stages`` tiles."""
+
+    block_m: int
+    block_n: int
+    warpgroups: int
+    stages: int = 2
+
+    def __post_init__(self):
+        if self.block_m != 64 * self.warpgroups:
+            raise ValueError(f"wgmma blocks have block_m = 64 x warpgroups rows; got {self}")
+        if self.block_n % 16 or not 16 <= self.block_n <= 256:
+            raise ValueError(f"wgmma key tiles have a multiple of 16 keys, 16 to 256 (wgmma's N); got {self}")
+        if self.stages != 2:
+            raise ValueError(f"the wgmma forward runs a two-stage K/V ring; got {self}")
+
+    @property
+    def threads(self):
+        return 128 * self.warpgroups
+
+
+@dataclass(frozen=True)
 class Launch:
     kernel: str
     grid: tuple
@@ -145,6 +168,18 @@ MMA_HEADDIMS = (16, 32, 64, 128, 256)
 MMA_TILES = {16: MmaTiles(128, 64, 4, 2), 32: MmaTiles(128, 64, 4, 2), 64: MmaTiles(128, 64, 4, 2),
              128: MmaTiles(128, 32, 4, 2), 256: MmaTiles(64, 64, 4)}
 SIMULATOR_MMA_TILES = MmaTiles(32, 16, 1, 2)
+# wgmma forward (compute capability 9.0), by head-dim bucket: two warpgroups of 64 query rows share
+# every K and V tile. Measured on the H200, fp16, N = 4096 and 16384, causal and not, against SDPA flash
+# in the same run (.bench/wgtiles.py): at headdim 128, 128 x 64 ran 0.77-0.89x (mma.sync's best 0.65-0.71x);
+# 128 x 80, 96 and 112 ran up to 0.98x but spilled 40-184 bytes, and three warpgroups (192 x 64, 0.82-1.02x)
+# spilled 216 bytes under the 168 registers a 384-thread block allows. At headdim 64, 128 x 112 ran
+# 0.68-0.89x (mma.sync 0.68-0.76x; 128 x 128 spilled 32 bytes, 192 x 64 spilled 32). Head dims up to 32
+# stay on mma.sync, whose 16- and 32-wide buckets pad less than wgmma's 64-wide swizzle atoms.
+# On the simulator one warpgroup and 16-key tiles, the smallest wgmma.
+WGMMA_HEADDIMS = (64, 128)
+WGMMA_MIN_HEADDIM = 33
+WGMMA_TILES = {64: WgmmaTiles(128, 112, 2), 128: WgmmaTiles(128, 64, 2)}
+SIMULATOR_WGMMA_TILES = WgmmaTiles(64, 16, 1)
 # Tensor-core backward: square blocks, because `sim` counts one B_r = B_c for both passes (the dK/dV
 # kernel owns block_m keys and streams block_n queries; the dQ kernel the reverse). Up to headdim 64,
 # 4 warps of 2 m-tiles (H200, fp16, N = 2048 to 16384, causal and not: 0.54-0.65x SDPA flash, against
@@ -185,6 +220,13 @@ def uses_tensor_cores(dtype, device):
     return dtype in ("float16", "bfloat16") and (device.simulator or device.compute_capability >= (8, 0))
 
 
+def uses_wgmma(dtype, device, headdim):
+    """The wgmma forward: float16 and bfloat16 on compute capability 9.0 (wgmma needs sm_90a, which
+    Blackwell's sm_100 does not run), head dims 33 to 128."""
+    return (dtype in ("float16", "bfloat16") and device.compute_capability == (9, 0)
+            and WGMMA_MIN_HEADDIM <= headdim <= WGMMA_HEADDIMS[-1])
+
+
 def _cdiv(a, b):
     return -(-a // b)
 
@@ -210,7 +252,7 @@ class Plan:
     seqlen_k: int
     headdim: int
     headdim_padded: int
-    tiles: Tiles | MmaTiles
+    tiles: Tiles | MmaTiles | WgmmaTiles
     launches: tuple
     sram_bytes: int
     dq_strategy: str = "separate"
@@ -230,7 +272,11 @@ class Plan:
     def describe(self):
         t = self.tiles
         padded = f" padded to {self.headdim_padded}" if self.headdim_padded != self.headdim else ""
-        if isinstance(t, MmaTiles):
+        if isinstance(t, WgmmaTiles):
+            owner = (f"{t.warpgroups} warpgroups, each owning 64 query rows; wgmma m64n{t.block_n}k16 (S = Q K^T, "
+                     f"operands in shared memory) and m64n{self.headdim_padded}k16 (O += P V, P from registers), "
+                     f"float32 accumulators; K and V in {t.stages}-stage cp.async rings, 128-byte swizzle")
+        elif isinstance(t, MmaTiles):
             n = t.rows_per_warp
             rows = f"{n} keys (dK/dV) or {n} query rows (dQ)" if self.direction == "backward" else f"{n} query rows"
             owner = f"{t.warps} warps, each owning {rows}; mma.sync m16n8k16, float32 accumulators"
@@ -272,7 +318,12 @@ def _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, bac
 
     shape = dict(batch=batch, nheads=nheads, nheads_kv=nheads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                  headdim=headdim, dtype=dtype)
-    if uses_tensor_cores(dtype, device) and (tiles is None or isinstance(tiles, MmaTiles)):
+    if isinstance(tiles, WgmmaTiles) and (backward or headdim > WGMMA_HEADDIMS[-1] or dtype not in ("float16", "bfloat16")):
+        raise ValueError(f"wgmma tiles run the float16/bfloat16 forward with headdim <= {WGMMA_HEADDIMS[-1]}; "
+                         f"got {dtype}, headdim {headdim}, {'backward' if backward else 'forward'}")
+    if uses_tensor_cores(dtype, device) and (tiles is None or isinstance(tiles, (MmaTiles, WgmmaTiles))):
+        if not backward and (isinstance(tiles, WgmmaTiles) or (tiles is None and uses_wgmma(dtype, device, headdim))):
+            return _wgmma_forward_plan(shape, device, tiles)
         if not backward:
             return _mma_forward_plan(shape, device, tiles)
         if headdim <= mma_backward.MAX_HEADDIM:
@@ -344,13 +395,35 @@ def _mma_forward_plan(shape, device, tiles):
     from .kernels import mma_forward
 
     D = mma_headdim_bucket(shape["headdim"])
+    requested = tiles is not None
     tiles = tiles or (SIMULATOR_MMA_TILES if device.simulator else MMA_TILES[D])
     smem = (2 * mma_forward.smem_elements(D, tiles),)
     _check_smem("forward", smem, shape, device)
     registers = 4 * (tiles.block_m * D + tiles.block_m * tiles.block_n + 2 * tiles.block_m)
+    hopper = ""
+    if device.compute_capability == (9, 0) and not requested:
+        hopper = (f"; headdim {shape['headdim']} > {WGMMA_HEADDIMS[-1]}, past the wgmma forward's buckets"
+                  if shape["headdim"] > WGMMA_HEADDIMS[-1] else
+                  f"; headdim {shape['headdim']} < {WGMMA_MIN_HEADDIM}: mma.sync's 16- and 32-wide buckets pad less "
+                  "than wgmma's 64")
     reason = (f"{shape['dtype']} on {_mma_where(device)}: tensor cores, float32 accumulation; head dims padded to "
-              "16, 32, 64, 128 or 256")
+              f"16, 32, 64, 128 or 256{hopper}")
     return _plan("mma_forward", reason, shape, device, D, tiles, smem, registers)
+
+
+def _wgmma_forward_plan(shape, device, tiles):
+    from .kernels import wgmma_forward
+
+    D = next(D for D in WGMMA_HEADDIMS if shape["headdim"] <= D)
+    tiles = tiles or (SIMULATOR_WGMMA_TILES if device.simulator else WGMMA_TILES[D])
+    smem = (wgmma_forward.smem_bytes(D, tiles),)
+    _check_smem("forward", smem, shape, device)
+    registers = 4 * (tiles.block_m * D + tiles.block_m * tiles.block_n + 2 * tiles.block_m)
+    where = ("the CUDA simulator, whose wgmma and cp.async are emulations (one warpgroup per block)" if device.simulator
+             else f"compute capability 9.0 ({device.name})")
+    reason = (f"{shape['dtype']} on {where}: warpgroup tensor cores (wgmma), float32 accumulation; head dims padded "
+              f"to 64 or 128")
+    return _plan("wgmma_forward", reason, shape, device, D, tiles, smem, registers)
 
 
 def _mma_backward_plan(shape, device, tiles):

@@ -160,10 +160,11 @@ def run_case(dtype, headdim, seqlen, causal, backward, tilings=None, memory=Fals
     result["numbaflash"] = total / time_ms(fn) / 1e9
     result["plan"] = numbaflash.plan(q, k, v, causal=causal, backward=backward).kernel
     if tilings:
-        mma = result["plan"].startswith("mma")
-        for tiles in (t for t in tilings if isinstance(t, tiling.MmaTiles) == mma):
-            if backward and tiles.block_m != tiles.block_n:
-                continue  # the backward's two passes share one square block
+        tensor_cores = (tiling.MmaTiles, tiling.WgmmaTiles)
+        planned = isinstance(numbaflash.plan(q, k, v, causal=causal, backward=backward).tiles, tensor_cores)
+        for tiles in (t for t in tilings if isinstance(t, tensor_cores) == planned):
+            if backward and (isinstance(tiles, tiling.WgmmaTiles) or tiles.block_m != tiles.block_n):
+                continue  # the backward's two passes share one square block; wgmma runs the forward only
             try:
                 p = tiling.make_plan(batch, NHEADS, NHEADS, seqlen, seqlen, headdim, dtype, backward=backward,
                                      tiles=tiles)
@@ -316,9 +317,11 @@ def save(results, out):
 
 def tiling_candidates():
     """Tilings worth comparing (`numbaflash.tiling` explains the fields); the backward takes the square ones."""
-    from numbaflash.tiling import MmaTiles, Tiles
+    from numbaflash.tiling import MmaTiles, Tiles, WgmmaTiles
 
-    return [Tiles(64, 64, 4, 4), Tiles(64, 32, 4, 2), Tiles(128, 64, 4, 4), Tiles(32, 32, 2, 2),
+    return [WgmmaTiles(128, 64, 2), WgmmaTiles(128, 96, 2), WgmmaTiles(128, 112, 2), WgmmaTiles(128, 128, 2),
+            WgmmaTiles(192, 64, 3), WgmmaTiles(64, 128, 1),
+            Tiles(64, 64, 4, 4), Tiles(64, 32, 4, 2), Tiles(128, 64, 4, 4), Tiles(32, 32, 2, 2),
             MmaTiles(64, 64, 4), MmaTiles(128, 128, 8), MmaTiles(32, 32, 2), MmaTiles(128, 64, 4, 2),
             MmaTiles(128, 32, 4, 2), MmaTiles(256, 64, 8, 2), MmaTiles(256, 32, 8, 2)]
 

@@ -26,10 +26,11 @@ def grid():
     import numbaflash
 
     rng = np.random.default_rng(0)
-    # Odd lengths, GQA, a partial last tile, every mask; one head-dim bucket keeps compiles few (each
-    # sanitizer tool reruns the process). float16 runs the tensor-core kernels both ways, float32 the
-    # CUDA-core kernels both ways: every kernel family.
-    shapes = [(2, 33, 70, 4, 2, 40), (1, 70, 33, 2, 1, 64)]
+    # Odd lengths, GQA, a partial last tile, every mask; few head-dim buckets keep compiles few (each
+    # sanitizer tool reruns the process). float16 runs the tensor-core kernels both ways (on Hopper the
+    # wgmma forward at head dims 40 and 64, the mma.sync forward at 24), float32 the CUDA-core kernels
+    # both ways: every kernel family.
+    shapes = [(2, 33, 70, 4, 2, 40), (1, 70, 33, 2, 1, 64), (1, 45, 45, 2, 2, 24)]
     masks = [dict(), dict(causal=True), dict(window_size=(5, 3))]
     for dtype in ("float16", "float32"):
         for b, nq, nk, h, hk, d in shapes:

@@ -3,16 +3,25 @@
 import numpy as np
 import pytest
 from hypothesis import given
+from hypothesis import strategies as st
 
 import numbaflash
 from cases import DTYPES, NP_DTYPES, Case, cases, check_forward, gpu_cases, inputs
 from numbaflash import tiling
-from numbaflash.tiling import Device, MmaTiles
+from numbaflash.tiling import SIMULATOR_WGMMA_TILES, Device, MmaTiles, WgmmaTiles
 
 # GPUs as the planner sees them: their production tilings run on the simulator. Turing (7.5) has no
 # bfloat16 mma, so its float16 and bfloat16 take the CUDA-core kernels.
 HOPPER = Device("H100 (planned)", (9, 0), 132, 227 * 1024)
 TURING = Device("T4 (planned)", (7, 5), 40, 64 * 1024)
+AMPERE = Device("A100 (planned)", (8, 0), 108, 163 * 1024)
+
+
+def with_tiles(case, tiles):
+    """`numbaflash.attention` on ``case``'s shapes with the plan of ``tiles``."""
+    plan = tiling.make_plan(case.batch, case.nheads, case.nheads_kv, case.seqlen_q, case.seqlen_k, case.headdim,
+                            case.dtype, tiles=tiles)
+    return lambda *a, **kw: numbaflash.attention(*a, plan=plan, **kw)
 
 
 @given(case=cases())
@@ -20,10 +29,16 @@ def test_forward_matches_reference(case, arrays, poisoned):
     check_forward(case, numbaflash.attention, *arrays)
 
 
+@given(case=cases(headdims=st.integers(1, 40), big_headdims=(64, 128), dtypes=("float16", "bfloat16")))
+def test_wgmma_forward_matches_reference(case, arrays, poisoned):
+    """The Hopper kernel through every mask, GQA and odd lengths (one warpgroup, 16-key tiles)."""
+    check_forward(case, with_tiles(case, SIMULATOR_WGMMA_TILES), *arrays)
+
+
 @pytest.mark.parametrize("dtype,headdim,device,kernel", [
     ("float32", 64, HOPPER, "simt_forward"), ("bfloat16", 256, TURING, "simt_forward"),
     ("float64", 64, HOPPER, "simt_forward"), ("float64", 200, HOPPER, "simt_forward"),
-    ("float16", 40, HOPPER, "mma_forward"),
+    ("float16", 40, AMPERE, "mma_forward"), ("bfloat16", 72, HOPPER, "wgmma_forward"),
 ])
 def test_production_tilings_on_small_shapes(dtype, headdim, device, kernel, arrays, poisoned):
     """The GPUs' own block sizes (4 warps; 256-512 threads for the CUDA-core kernel), on the simulator."""
@@ -31,7 +46,8 @@ def test_production_tilings_on_small_shapes(dtype, headdim, device, kernel, arra
     to_device, _ = arrays
     q, k, v = (to_device(x) for x in inputs(case))
     plan = numbaflash.plan(q, k, v, causal=True, device=device)
-    assert plan.kernel == kernel and plan.tiles.threads >= 128
+    assert plan.kernel == kernel and plan.tiles.threads >= 128 and plan.tiles == tiling.make_plan(
+        1, 2, 1, 9, 21, headdim, dtype, device=device).tiles
     check_forward(case, lambda *a, **kw: numbaflash.attention(*a, plan=plan, **kw), *arrays)
 
 
@@ -102,6 +118,22 @@ def test_explain_names_the_kernel_and_the_traffic(arrays):
     assert "mma_forward" in text and "tensor cores" in text and "standard attention" in text and "GQA" in text
 
 
+def test_hopper_plans_name_the_kernel_family_and_why():
+    """wgmma for head dims 33-128 on compute capability 9.0; mma.sync around it, with the reason."""
+    wgmma = tiling.make_plan(2, 8, 2, 4096, 4096, 128, "bfloat16", device=HOPPER)
+    assert wgmma.kernel == "wgmma_forward" and isinstance(wgmma.tiles, WgmmaTiles)
+    assert "warpgroups" in wgmma.describe() and "wgmma" in wgmma.reason
+    small = tiling.make_plan(2, 8, 2, 4096, 4096, 32, "float16", device=HOPPER)
+    large = tiling.make_plan(2, 8, 2, 4096, 4096, 256, "float16", device=HOPPER)
+    assert small.kernel == large.kernel == "mma_forward"
+    assert "pad less" in small.reason and "past the wgmma forward" in large.reason
+    assert tiling.make_plan(1, 1, 1, 64, 64, 64, "float16", device=AMPERE).kernel == "mma_forward"
+    with pytest.raises(ValueError, match="wgmma tiles run"):
+        tiling.make_plan(1, 1, 1, 64, 64, 64, "float16", backward=True, tiles=WgmmaTiles(64, 16, 1))
+    with pytest.raises(ValueError, match="64 x warpgroups"):
+        WgmmaTiles(128, 64, 1)
+
+
 @pytest.mark.gpu
 @given(case=gpu_cases())
 def test_forward_matches_reference_at_real_sizes(case, arrays, poisoned):
@@ -153,18 +185,22 @@ def test_production_kernels_keep_their_accumulators_in_registers(dtype):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("headdim", [16, 32, 64, 128, 256])
 @pytest.mark.parametrize("backward", [False, True])
-def test_tensor_core_kernels_sass_has_hmma_and_no_local_memory(dtype, headdim, backward):
+def test_tensor_core_kernels_sass_has_their_mma_and_no_local_memory(dtype, headdim, backward):
     from numbaflash import interface, tiling
 
     plan = tiling.make_plan(1, 1, 1, 512, 512, headdim, dtype, backward=backward)
     if backward and headdim > 128:
         assert plan.kernel == "simt_backward" and "headdim 256 > 128" in plan.reason
         return
-    assert plan.kernel == ("mma_backward" if backward else "mma_forward")
+    hopper = not backward and tiling.uses_wgmma(dtype, tiling.current_device(), headdim)
+    assert plan.kernel == ("mma_backward" if backward else "wgmma_forward" if hopper else "mma_forward")
     for launch in plan.launches:
-        if not launch.kernel.startswith("mma"):
+        if launch.kernel == "simt_backward_preprocess":
             continue  # the backward's D = rowsum(dO * O) runs on the CUDA cores
         sass = "\n".join(interface.kernel_for(plan, launch).dispatcher.inspect_sass().values())
-        assert "HMMA" in sass, launch.kernel
         assert "LDL" not in sass and "STL" not in sass, launch.kernel
-        assert "LDSM" in sass and "LDGSTS" in sass, launch.kernel  # ldmatrix and cp.async made it through
+        assert "LDGSTS" in sass, launch.kernel  # cp.async made it through
+        if hopper:
+            assert "HGMMA" in sass and "HMMA" not in sass.replace("HGMMA", ""), launch.kernel
+        else:
+            assert "HMMA" in sass and "LDSM" in sass, launch.kernel  # mma.sync and ldmatrix

@@ -7,7 +7,7 @@ from numba import cuda, uint16
 
 from numbaflash.kernels.intrinsics import (cp_async_16, cp_async_commit, cp_async_wait_all, ex2, group_max,
                                            group_sum, ldmatrix_x4, ldmatrix_x4_trans, load4, mma_bf16, mma_f16,
-                                           pack_bf16, pack_f16)
+                                           pack_bf16, pack_f16, SIMULATOR, device_function)
 
 HALVES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
@@ -143,3 +143,91 @@ def test_group_reductions_and_vector_loads(arrays):
     np.testing.assert_allclose(sum16, np.repeat(x.reshape(2, 16).sum(axis=1), 16), atol=rounding)
     np.testing.assert_allclose(sum32, np.full(32, x.sum()), atol=rounding)
     np.testing.assert_array_equal(vec, x)
+
+
+@device_function
+def swizzled(r, c, rows):
+    """Element offset of (r, c) in a tile of ``rows`` rows in wgmma's 128-byte swizzle: atoms of rows x 64
+    elements, 16-byte chunk ``k`` of row ``r`` at chunk ``k ^ (r % 8)``."""
+    return (c // 64) * rows * 64 + r * 64 + (((c % 64) // 8) ^ (r % 8)) * 8 + c % 8
+
+
+def wgmma_kernel(N, K, storage):
+    """One warpgroup: ``ss = A B^T`` (A 64 x K, B N x K, both K-major) and ``rs = P V`` (P 64 x K from
+    registers, V K x N MN-major), each over K / 16 k-steps, from swizzled tiles the kernel stages itself."""
+    from numbaflash.kernels.intrinsics import (fence_proxy_async, shared_address, wgmma_commit, wgmma_fence,
+                                               wgmma_rs, wgmma_ss, wgmma_wait0)
+    from numbaflash.kernels.register_tiles import fill
+    from numbaflash.kernels.wgmma_tiles import aligned_base, descriptor
+
+    ss, rs = wgmma_ss(N, storage), wgmma_rs(N, storage)
+    B_AT, V_AT = 64 * K, 64 * K + N * K  # V's atoms are 64 columns wide, N or not
+
+    @cuda.jit
+    def kernel(a, b, v, p, out_ss, out_rs):
+        # a: (64, K), b: (N, K), v: (K, N) 16-bit words; p: (128, K / 16, 4) each thread's A words of P
+        smem = cuda.shared.array(0, uint16)
+        tid = cuda.threadIdx.x
+        base = aligned_base(smem)
+        for e in range(tid, 64 * K, 128):
+            smem[base + swizzled(e // K, e % K, 64)] = a[e // K, e % K]
+        for e in range(tid, N * K, 128):
+            smem[base + B_AT + swizzled(e // K, e % K, N)] = b[e // K, e % K]
+            smem[base + V_AT + swizzled(e // N, e % N, K)] = v[e // N, e % N]
+        fence_proxy_async()
+        cuda.syncthreads()
+        address = shared_address(smem, base)
+        acc_ss = cuda.local.array((N // 8, 4), np.float32)
+        acc_rs = cuda.local.array((N // 8, 4), np.float32)
+        fill(acc_ss, N // 8, 4, np.float32(7))  # the first k-step must overwrite these
+        fill(acc_rs, N // 8, 4, np.float32(0))
+        wgmma_fence()
+        for kk in range(K // 16):
+            step = (kk // 4) * 64 * 128 + (kk % 4) * 32
+            ss(acc_ss, smem, descriptor(address + step, 0, 1024),
+               descriptor(address + 2 * B_AT + (kk // 4) * N * 128 + (kk % 4) * 32, 0, 1024), kk)
+        for ks in range(K // 16):
+            rs(acc_rs, p[tid, ks, 0], p[tid, ks, 1], p[tid, ks, 2], p[tid, ks, 3], smem,
+               descriptor(address + 2 * V_AT + ks * 16 * 128, K * 128, 1024))
+        wgmma_commit()
+        wgmma_wait0()
+        w, g, t = tid // 32, (tid % 32) // 4, tid % 4
+        for j in range(N // 8):
+            for e in range(4):
+                row, col = 16 * w + g + 8 * (e // 2), 8 * j + 2 * t + e % 2
+                out_ss[row, col] = acc_ss[j, e]
+                out_rs[row, col] = acc_rs[j, e]
+
+    return kernel
+
+
+def a_words(p):
+    """(128, K / 16, 4): each warpgroup thread's m16n8k16 A words of its warp's 16 rows of p (64 x K)."""
+    words = np.ascontiguousarray(p).view(np.uint32)  # word c of a row holds columns 2c, 2c + 1
+    out = np.zeros((128, p.shape[1] // 16, 4), np.uint32)
+    for tid in range(128):
+        w, g, t = tid // 32, (tid % 32) // 4, tid % 4
+        r0, r1 = 16 * w + g, 16 * w + g + 8
+        for ks in range(p.shape[1] // 16):
+            c = 8 * ks + t
+            out[tid, ks] = words[r0, c], words[r1, c], words[r0, c + 4], words[r1, c + 4]
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("N", [16, 128])
+def test_wgmma_products_from_swizzled_shared_memory(dtype, N, arrays):
+    to_device, to_host = arrays
+    if not SIMULATOR and cuda.get_current_device().compute_capability != (9, 0):
+        pytest.skip("wgmma needs compute capability 9.0")
+    K = 64
+    rng = np.random.default_rng(3)
+    a, b, p = (rng.standard_normal(shape).astype(HALVES[dtype]) for shape in ((64, K), (N, K), (64, K)))
+    v = rng.standard_normal((K, N)).astype(HALVES[dtype])
+    out_ss, out_rs = (to_device(np.zeros((64, N), np.float32)) for _ in range(2))
+    smem_bytes = 2 * (64 * K + N * K + K * 64 * -(-N // 64)) + 1024
+    wgmma_kernel(N, K, dtype)[1, 128, 0, smem_bytes](*(to_device(x.view(np.uint16)) for x in (a, b, v)),
+                                                     to_device(a_words(p)), out_ss, out_rs)
+    wide = lambda x: x.astype(np.float64)
+    np.testing.assert_allclose(to_host(out_ss), wide(a) @ wide(b).T, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(to_host(out_rs), wide(p) @ wide(v), rtol=1e-5, atol=1e-4)

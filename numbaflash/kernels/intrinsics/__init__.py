@@ -1,0 +1,54 @@
+"""Device operations numba does not offer, written in pure Numba, each with a simulator emulation.
+
+On a GPU these are `numba.cuda.extending.intrinsic`s that emit LLVM IR or inline PTX (`ptx`,
+`ptx_hopper`). Under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) the same names are plain Python
+functions with the same semantics (`emulated`, `emulated_hopper`; collectives through `exchange`), so
+every kernel that uses them runs in CI on the CPU. `target` says which mode this process is in.
+
+* ``group_max(value, width)``, ``group_sum(value, width)``: reduce over each aligned group of ``width``
+  lanes (a power of two dividing 32) and give every lane the result: a butterfly of shuffles on the
+  GPU, one exchange under the simulator.
+* ``load2(arr, i)``, ``load4(arr, i)``: one vector load of n consecutive elements as a tuple: of a 1-D
+  array from ``arr[i]``, or of an N-D one from ``arr[i]`` with ``i`` a tuple of indices (the last
+  index runs). The caller guarantees alignment to the vector's size (at most 16 bytes). On shared
+  memory this is one ``ld.shared.v4`` instead of n scalar loads, which keeps the register-tiled loops
+  fed; on global memory it is one 16-byte load per thread.
+* ``float_bits(x)`` / ``bits_float(u)``: reinterpret float32 <-> uint32 (for bfloat16 conversion).
+
+Tensor cores (compute capability >= 8.0; register fragments as in the PTX ISA, lane = 4 g + t):
+
+* ``mma_f16(a0..a3, b0, b1, c0..c3)`` / ``mma_bf16``: ``mma.sync.m16n8k16.row.col.f32.{f16,bf16}``;
+  A (16 x 16) in four uint32 (rows g and g + 8, column pairs 2t and 2t + 8), B (16 x 8) in two (column
+  g, row pairs 2t and 2t + 8), C and D (16 x 8) in four float32 (rows g, g + 8; columns 2t, 2t + 1).
+* ``ldmatrix_x4(smem, i)`` / ``ldmatrix_x4_trans``: four 8 x 8 b16 matrices from a 1-D uint16 shared
+  array; lane ``l`` gives the row at element ``i`` of matrix ``l // 8``; ``.trans`` transposes each.
+* ``cp_async_16(smem, i, src, (b, row, h, col), nbytes)``: copy 16 bytes from a 4-D global array to
+  shared memory, without registers; ``nbytes = 0`` writes zeros. ``cp_async_commit()``,
+  ``cp_async_wait_all()`` and ``cp_async_wait_one()`` (all but the newest group landed).
+* ``pack_f16(lo, hi)`` / ``pack_bf16``: two float32 rounded to nearest into one f16x2 / bf16x2 word.
+* ``ex2(x)``: ``ex2.approx.ftz.f32``, 2^x.
+
+Hopper (compute capability 9.0, sm_90a; `ptx_hopper`):
+
+* ``shared_address(smem, i)``: the shared-window byte address of ``smem[i]`` (uint32).
+* ``wgmma_ss(n, storage)`` -> ``ss(acc, smem, desc_a, desc_b, accumulate)``: one warpgroup's
+  ``wgmma.mma_async.m64n{n}k16.f32`` with A (64 x 16) and B (n x 16) in shared memory, both K-major,
+  ``acc = A B^T (+ acc if accumulate)``. ``rs(acc, a0, a1, a2, a3, smem, desc_b)`` from
+  ``wgmma_rs(n, storage)``: ``acc += A B`` with A from registers (per warp, the m16n8k16 A fragment of
+  its 16 rows) and B (16 x n) MN-major in shared memory. ``acc`` is a thread's (n / 8, 4) float32
+  fragment array (rows ``16 w + g``, ``+ 8``; columns ``8 j + 2 t``, ``+ 1``, as mma.sync's C);
+  descriptors are `wgmma_tiles.descriptor`s of the 128-byte swizzle. The emulation reads the operands
+  from ``smem`` (the array the descriptors point into) and completes at once.
+* ``wgmma_fence()``, ``wgmma_commit()``, ``wgmma_wait0()``, ``wgmma_wait1()`` (all but the newest
+  group complete), and ``fence_proxy_async()``: shared memory written by the generic proxy (cp.async
+  included) becomes visible to wgmma's reads.
+"""
+
+from .target import SIMULATOR, device_function
+
+if SIMULATOR:
+    from .emulated import *  # noqa: F401,F403
+    from .emulated_hopper import *  # noqa: F401,F403
+else:
+    from .ptx import *  # noqa: F401,F403
+    from .ptx_hopper import *  # noqa: F401,F403

@@ -1,0 +1,123 @@
+"""Simulator emulations of the intrinsics of `ptx`: plain Python with the same semantics.
+
+Under NUMBA_ENABLE_CUDASIM=1 kernels are Python too, so these are called as they are. Collectives go
+through `exchange`. Each is tested against its definition in tests/test_intrinsics.py, in both modes.
+"""
+
+import threading
+
+import ml_dtypes
+import numpy as np
+
+from .exchange import exchange, group_result
+
+
+def _group(value, width):
+    lanes, lane = exchange(value)
+    start = lane - lane % width
+    return lanes[start:start + width]
+
+def group_max(value, width):
+    return max(_group(value, width))
+
+def group_sum(value, width):
+    # The butterfly's order of additions, so the simulator rounds exactly as the GPU does.
+    values = _group(value, width)
+    lane = threading.current_thread().thread_id % width
+    offset = width // 2
+    while offset > 0:
+        values = [values[i] + values[i ^ offset] for i in range(width)]
+        offset //= 2
+    return values[lane]
+
+def _vector(arr, i, n):
+    if isinstance(i, tuple):
+        return tuple(arr[i[:-1] + (i[-1] + x,)] for x in range(n))
+    return tuple(arr[i + x] for x in range(n))
+
+def load2(arr, i):
+    return _vector(arr, i, 2)
+
+def load4(arr, i):
+    return _vector(arr, i, 4)
+
+def float_bits(x):
+    return np.array(x, dtype=np.float32).view(np.uint32)[()]
+
+def bits_float(u):
+    return np.array(u, dtype=np.uint32).view(np.float32)[()]
+
+# Where lane l's register r, half h sits in A (16 x 16) and B (16 x 8), and register r in C/D (16 x 8).
+_l, _r, _h = np.ogrid[:32, :4, :2]
+A_AT = ((_l >> 2) + 8 * (_r & 1), 2 * (_l & 3) + _h + 8 * (_r >> 1))
+_l, _r, _h = np.ogrid[:32, :2, :2]
+B_AT = (2 * (_l & 3) + _h + 8 * _r, np.broadcast_to(_l >> 2, (32, 2, 2)))
+_l, _r = np.ogrid[:32, :4]
+C_AT = ((_l >> 2) + 8 * (_r >> 1), 2 * (_l & 3) + (_r & 1))
+
+def _matrix(words, dtype, shape, at):
+    """A warp's fragment registers (uint32 of two 16-bit values, low half first) as one matrix."""
+    m = np.zeros(shape, dtype=np.float64)
+    regs = np.array(words, dtype=np.uint32)
+    m[at] = regs.view(dtype).reshape(regs.shape + (2,))
+    return m
+
+def _mma(dtype, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    def product(lanes):
+        a = _matrix([x[0] for x in lanes], dtype, (16, 16), A_AT)
+        b = _matrix([x[1] for x in lanes], dtype, (16, 8), B_AT)
+        c = np.zeros((16, 8), dtype=np.float64)
+        c[C_AT] = np.array([x[2] for x in lanes], dtype=np.float32)
+        # Products of 16-bit values are exact in float32; the sum is rounded once, to float32.
+        return (a @ b + c).astype(np.float32)
+
+    d, lane = group_result(((a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3)), product)
+    g, t = lane >> 2, lane & 3
+    return d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1]
+
+def mma_f16(*regs):
+    return _mma(np.float16, *regs)
+
+def mma_bf16(*regs):
+    return _mma(ml_dtypes.bfloat16, *regs)
+
+def _word(lo, hi):
+    return np.uint32(int(lo) | (int(hi) << 16))
+
+def ldmatrix_x4(smem, i):
+    rows, lane = exchange(int(i))
+    g, t = lane >> 2, lane & 3
+    return tuple(_word(smem[rows[8 * j + g] + 2 * t], smem[rows[8 * j + g] + 2 * t + 1]) for j in range(4))
+
+def ldmatrix_x4_trans(smem, i):
+    rows, lane = exchange(int(i))
+    g, t = lane >> 2, lane & 3
+    return tuple(_word(smem[rows[8 * j + 2 * t] + g], smem[rows[8 * j + 2 * t + 1] + g]) for j in range(4))
+
+def cp_async_16(smem, i, src, index, nbytes):
+    # The copy completes at once: a legal schedule of an asynchronous copy (it may land any time
+    # before the wait), so the kernels' barriers and waits are what make it correct either way.
+    b, row, h, col = index
+    for x in range(8):
+        smem[i + x] = src[b, row, h, col + x] if nbytes else 0
+
+def cp_async_commit():
+    pass
+
+def cp_async_wait_all():
+    pass
+
+def cp_async_wait_one():
+    pass
+
+def _pack(lo, hi, dtype):
+    return np.array([lo, hi], dtype=np.float32).astype(dtype).view(np.uint32)[0]
+
+def pack_f16(lo, hi):
+    return _pack(lo, hi, np.float16)
+
+def pack_bf16(lo, hi):
+    return _pack(lo, hi, ml_dtypes.bfloat16)
+
+def ex2(x):
+    return np.float32(np.exp2(np.float32(x)))

@@ -1,0 +1,133 @@
+"""Simulator emulations of `ptx_hopper`: warpgroup products read from shared memory through descriptors.
+
+A wgmma is one exchange among the warpgroup's 128 threads: each deposits its accumulators (and, for
+the register form, its A words), the product is computed once from the operands the descriptors
+address in ``smem``, and each thread takes back its fragment. It completes at once, a legal schedule of
+an asynchronous instruction, so the kernels' fences and waits are what make them correct either way.
+The descriptor is decoded as the PTX ISA defines it for the 128-byte swizzle: start address, leading
+and stride byte offsets (16-byte units), and the swizzle that XORs address bits 4-6 with bits 7-9.
+"""
+
+import functools
+
+import ml_dtypes
+import numpy as np
+
+from .exchange import WARPGROUP, group_result
+
+DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+SWIZZLE_128B = 1
+
+
+def shared_address(smem, i):
+    return np.uint32(int(i) * smem.itemsize)
+
+
+def wgmma_fence():
+    pass
+
+
+def wgmma_commit():
+    pass
+
+
+def wgmma_wait0():
+    pass
+
+
+def wgmma_wait1():
+    pass
+
+
+def fence_proxy_async():
+    pass
+
+
+def decode(desc):
+    """``(start, leading, stride)`` byte offsets of a 128-byte-swizzle shared-memory matrix descriptor."""
+    desc = int(desc)
+    if desc >> 62 != SWIZZLE_128B:
+        raise ValueError(f"descriptor {desc:#x}: only the 128-byte swizzle is emulated")
+    field = lambda shift: ((desc >> shift) & 0x3FFF) << 4
+    return field(0), field(16), field(32)
+
+
+def _swizzle(address):
+    return address ^ (((address >> 7) & 7) << 4)
+
+
+def k_major(smem, desc, rows, dtype):
+    """The (rows, 16) operand a K-major descriptor addresses: row r, column k at start + (r // 8) stride
+    + (r % 8) 128 + 2 k bytes, swizzled."""
+    start, _, stride = decode(desc)
+    r, k = np.ogrid[:rows, :16]
+    address = _swizzle(start + (r // 8) * stride + (r % 8) * 128 + 2 * k)
+    return np.asarray(smem).view(np.uint16)[address // 2].view(dtype).astype(np.float64)
+
+
+def mn_major(smem, desc, cols, dtype):
+    """The (16, cols) operand an MN-major descriptor addresses: row k, column n at start + (n // 64)
+    leading + (k // 8) stride + (k % 8) 128 + 2 (n % 64) bytes, swizzled."""
+    start, leading, stride = decode(desc)
+    k, n = np.ogrid[:16, :cols]
+    address = _swizzle(start + (n // 64) * leading + (k // 8) * stride + (k % 8) * 128 + 2 * (n % 64))
+    return np.asarray(smem).view(np.uint16)[address // 2].view(dtype).astype(np.float64)
+
+
+def _fragment_at(n):
+    """(rows, cols) of each of a warpgroup's threads' n / 2 accumulators: thread 32 w + 4 g + t holds
+    rows 16 w + g (+ 8) and columns 8 j + 2 t (+ 1) at index 4 j + 2 half + e."""
+    tid, i = np.ogrid[:WARPGROUP, :n // 2]
+    w, g, t = tid // 32, (tid % 32) // 4, tid % 4
+    j, half, e = i // 4, (i % 4) // 2, i % 2
+    return 16 * w + g + 8 * half, 8 * j + 2 * t + e
+
+
+def _a_at():
+    """(rows, cols) of each thread's four A words' two halves in the register form's 64 x 16 A."""
+    tid, r, h = np.ogrid[:WARPGROUP, :4, :2]
+    w, g, t = tid // 32, (tid % 32) // 4, tid % 4
+    return 16 * w + g + 8 * (r & 1), 2 * t + h + 8 * (r >> 1)
+
+
+def _product(n, threads, a, b, accumulate):
+    at = _fragment_at(n)
+    c = np.zeros((64, n), dtype=np.float64)
+    if accumulate:
+        c[at] = np.array([x[0] for x in threads], dtype=np.float32)
+    # Products of 16-bit values are exact in float64; the sum is rounded once, to float32.
+    return (a @ b + c).astype(np.float32)[at]
+
+
+@functools.lru_cache(maxsize=None)
+def wgmma_ss(n, storage):
+    dtype = DTYPES[storage]
+
+    def ss(acc, smem, desc_a, desc_b, accumulate):
+        def product(threads):
+            _, da, db, flag = threads[0]
+            return _product(n, threads, k_major(smem, da, 64, dtype), k_major(smem, db, n, dtype).T, flag)
+
+        flat = acc.reshape(-1)
+        d, rank = group_result((flat[:n // 2].copy(), int(desc_a), int(desc_b), bool(accumulate)), product, WARPGROUP)
+        flat[:n // 2] = d[rank]
+
+    return ss
+
+
+@functools.lru_cache(maxsize=None)
+def wgmma_rs(n, storage):
+    dtype = DTYPES[storage]
+
+    def rs(acc, a0, a1, a2, a3, smem, desc_b):
+        def product(threads):
+            words = np.array([x[1] for x in threads], dtype=np.uint32)  # (128, 4)
+            a = np.zeros((64, 16), dtype=np.float64)
+            a[_a_at()] = words.view(dtype).reshape(WARPGROUP, 4, 2)
+            return _product(n, threads, a, mn_major(smem, threads[0][2], n, dtype), True)
+
+        flat = acc.reshape(-1)
+        d, rank = group_result((flat[:n // 2].copy(), (a0, a1, a2, a3), int(desc_b)), product, WARPGROUP)
+        flat[:n // 2] = d[rank]
+
+    return rs

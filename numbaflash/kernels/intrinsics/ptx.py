@@ -1,0 +1,200 @@
+"""The intrinsics on a GPU: numba `intrinsic`s that emit LLVM IR or inline PTX.
+
+Their simulator emulations, with the same names and semantics, are in `emulated`; the package's
+``__init__`` picks one module or the other.
+"""
+
+from llvmlite import ir
+from numba import cuda, types
+from numba.cuda import cgutils
+from numba.cuda.extending import intrinsic
+
+from .target import device_function
+
+@device_function
+def group_max(value, width):
+    offset = width // 2
+    while offset > 0:
+        value = max(value, cuda.shfl_xor_sync(0xFFFFFFFF, value, offset))
+        offset //= 2
+    return value
+
+@device_function
+def group_sum(value, width):
+    offset = width // 2
+    while offset > 0:
+        value += cuda.shfl_xor_sync(0xFFFFFFFF, value, offset)
+        offset //= 2
+    return value
+
+def _element_pointer(context, builder, aryty, ary_value, index_value, index_type):
+    ary = context.make_array(aryty)(context, builder, ary_value)
+    if isinstance(index_type, types.BaseTuple):
+        indices = [context.cast(builder, builder.extract_value(index_value, d), index_type[d], types.intp)
+                   for d in range(len(index_type))]
+    else:
+        indices = [context.cast(builder, index_value, index_type, types.intp)]
+    return cgutils.get_item_pointer(context, builder, aryty, ary, indices, wraparound=False)
+
+def _indexes(arr, i):
+    if isinstance(i, types.BaseTuple):
+        return len(i) == arr.ndim and all(isinstance(t, types.Integer) for t in i)
+    return arr.ndim == 1 and isinstance(i, types.Integer)
+
+def _vector_load(n):
+    def load(typingctx, arr, i):
+        if not isinstance(arr, types.Array) or not _indexes(arr, i):
+            return None
+        sig = types.UniTuple(arr.dtype, n)(arr, i)
+
+        def codegen(context, builder, sig, args):
+            ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            element = context.get_data_type(sig.args[0].dtype)
+            vec_type = ir.VectorType(element, n)
+            size = n * context.get_abi_sizeof(element)
+            vec = builder.load(builder.bitcast(ptr, vec_type.as_pointer()), align=min(size, 16))
+            values = [builder.extract_element(vec, ir.Constant(ir.IntType(32), k)) for k in range(n)]
+            return context.make_tuple(builder, sig.return_type, values)
+
+        return sig, codegen
+
+    load.__name__ = f"load{n}"
+    return intrinsic(load)
+
+load2 = _vector_load(2)
+load4 = _vector_load(4)
+
+def _asm(builder, signature_types, ret, template, constraints, args, side_effect):
+    fnty = ir.FunctionType(ret, signature_types)
+    return builder.call(ir.InlineAsm(fnty, template, constraints, side_effect=side_effect), args)
+
+def _mma(kind):
+    @intrinsic
+    def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        u, f = types.uint32, types.float32
+        sig = types.UniTuple(f, 4)(u, u, u, u, u, u, f, f, f, f)
+
+        def codegen(context, builder, signature, args):
+            f32, i32 = ir.FloatType(), ir.IntType(32)
+            args = [context.cast(builder, v, t, want) for v, t, want in zip(args, signature.args, sig.args)]
+            res = _asm(builder, [i32] * 6 + [f32] * 4, ir.LiteralStructType([f32] * 4),
+                       f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 "
+                       "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
+                       "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", args, False)
+            return context.make_tuple(builder, signature.return_type, [builder.extract_value(res, i) for i in range(4)])
+
+        return sig, codegen
+
+    return mma
+
+mma_f16 = _mma("f16")
+mma_bf16 = _mma("bf16")
+
+def _shared_address(context, builder, aryty, ary_value, index_value, index_type):
+    """A 32-bit shared-space address of an element (ldmatrix and cp.async take .shared addresses)."""
+    ptr = _element_pointer(context, builder, aryty, ary_value, index_value, index_type)
+    shared = builder.addrspacecast(ptr, ir.PointerType(ptr.type.pointee, 3))
+    return builder.ptrtoint(shared, ir.IntType(32))
+
+def _ldmatrix(trans):
+    @intrinsic
+    def ldmatrix(typingctx, smem, i):
+        if not isinstance(smem, types.Array) or smem.ndim != 1:
+            return None
+        sig = types.UniTuple(types.uint32, 4)(smem, i)
+
+        def codegen(context, builder, signature, args):
+            i32 = ir.IntType(32)
+            address = _shared_address(context, builder, signature.args[0], args[0], args[1], signature.args[1])
+            res = _asm(builder, [i32], ir.LiteralStructType([i32] * 4),
+                       f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if trans else ''}.shared.b16 {{$0,$1,$2,$3}}, [$4];",
+                       "=r,=r,=r,=r,r,~{memory}", [address], True)
+            return context.make_tuple(builder, signature.return_type, [builder.extract_value(res, k) for k in range(4)])
+
+        return sig, codegen
+
+    return ldmatrix
+
+ldmatrix_x4 = _ldmatrix(False)
+ldmatrix_x4_trans = _ldmatrix(True)
+
+@intrinsic
+def cp_async_16(typingctx, smem, i, src, index, nbytes):
+    if not (isinstance(smem, types.Array) and isinstance(src, types.Array) and _indexes(src, index)):
+        return None
+    sig = types.void(smem, i, src, index, nbytes)
+
+    def codegen(context, builder, signature, args):
+        st, it, gt, xt, nt = signature.args
+        dst = _shared_address(context, builder, st, args[0], args[1], it)
+        ptr = _element_pointer(context, builder, gt, args[2], args[3], xt)
+        glob = builder.ptrtoint(builder.addrspacecast(ptr, ir.PointerType(ptr.type.pointee, 1)), ir.IntType(64))
+        size = context.cast(builder, args[4], nt, types.uint32)
+        _asm(builder, [ir.IntType(32), ir.IntType(64), ir.IntType(32)], ir.VoidType(),
+             "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}", [dst, glob, size], True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+def _barrier_asm(template):
+    @intrinsic
+    def barrier(typingctx):
+        sig = types.void()
+
+        def codegen(context, builder, signature, args):
+            _asm(builder, [], ir.VoidType(), template, "~{memory}", [], True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return barrier
+
+cp_async_commit = _barrier_asm("cp.async.commit_group;")
+cp_async_wait_all = _barrier_asm("cp.async.wait_group 0;")
+cp_async_wait_one = _barrier_asm("cp.async.wait_group 1;")
+
+def _pack(kind):
+    @intrinsic
+    def pack(typingctx, lo, hi):
+        sig = types.uint32(types.float32, types.float32)
+
+        def codegen(context, builder, signature, args):
+            lo_v, hi_v = (context.cast(builder, v, t, types.float32) for v, t in zip(args, signature.args))
+            # cvt.rn.{f16,bf16}x2.f32 d, a, b puts a in the upper half and b in the lower.
+            return _asm(builder, [ir.FloatType(), ir.FloatType()], ir.IntType(32),
+                        f"cvt.rn.{kind}x2.f32 $0, $1, $2;", "=r,f,f", [hi_v, lo_v], False)
+
+        return sig, codegen
+
+    return pack
+
+pack_f16 = _pack("f16")
+pack_bf16 = _pack("bf16")
+
+@intrinsic
+def ex2(typingctx, x):
+    sig = types.float32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return _asm(builder, [ir.FloatType()], ir.FloatType(), "ex2.approx.ftz.f32 $0, $1;", "=f,f",
+                    [context.cast(builder, args[0], signature.args[0], types.float32)], False)
+
+    return sig, codegen
+
+@intrinsic
+def float_bits(typingctx, x):
+    sig = types.uint32(types.float32)
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return sig, codegen
+
+@intrinsic
+def bits_float(typingctx, u):
+    sig = types.float32(types.uint32)
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return sig, codegen

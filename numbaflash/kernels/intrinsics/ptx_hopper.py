@@ -1,0 +1,110 @@
+"""Hopper's warpgroup tensor-core instructions (sm_90a) as numba intrinsics; emulated in `emulated_hopper`.
+
+A wgmma's accumulators are a thread's local float32 fragment array: the intrinsic loads every element
+by a constant index before the instruction and stores it back after, so once NVVM inlines the kernel
+the array lives in registers (ptxas: no local memory, HGMMA in SASS). The instruction is asynchronous;
+ptxas knows which registers an in-flight wgmma owns, and the kernels touch them only after
+``wgmma_wait*`` (where they do not, ptxas would serialize the wgmma and warn).
+"""
+
+import functools
+
+from llvmlite import ir
+from numba import types
+from numba.cuda.extending import intrinsic
+
+from .ptx import _asm, _barrier_asm, _shared_address
+
+KIND = {"float16": "f16", "bfloat16": "bf16"}
+
+wgmma_fence = _barrier_asm("wgmma.fence.sync.aligned;")
+wgmma_commit = _barrier_asm("wgmma.commit_group.sync.aligned;")
+wgmma_wait0 = _barrier_asm("wgmma.wait_group.sync.aligned 0;")
+wgmma_wait1 = _barrier_asm("wgmma.wait_group.sync.aligned 1;")
+fence_proxy_async = _barrier_asm("fence.proxy.async.shared::cta;")
+
+
+@intrinsic
+def shared_address(typingctx, smem, i):
+    if not isinstance(smem, types.Array) or smem.ndim != 1:
+        return None
+    sig = types.uint32(smem, i)
+
+    def codegen(context, builder, signature, args):
+        return _shared_address(context, builder, signature.args[0], args[0], args[1], signature.args[1])
+
+    return sig, codegen
+
+
+def _fragments(context, builder, aryty, ary_value, count):
+    """Pointers to the first ``count`` float32 of a C-contiguous local array, by constant index."""
+    data = context.make_array(aryty)(context, builder, ary_value).data
+    return [builder.gep(data, [ir.Constant(ir.IntType(32), i)]) for i in range(count)]
+
+
+def _is_fragment_array(acc):
+    return isinstance(acc, types.Array) and acc.dtype == types.float32 and acc.layout == "C"
+
+
+def _wgmma(builder, pointers, operand_types, operand_constraints, operands, text):
+    f32 = ir.FloatType()
+    count = len(pointers)
+    values = [builder.load(p) for p in pointers]
+    res = _asm(builder, operand_types + [f32] * count, ir.LiteralStructType([f32] * count), text,
+               ",".join(["=f"] * count + operand_constraints + [str(i) for i in range(count)]),
+               operands + values, True)
+    for i, p in enumerate(pointers):
+        builder.store(builder.extract_value(res, i), p)
+
+
+@functools.lru_cache(maxsize=None)
+def wgmma_ss(n, storage):
+    count, kind = n // 2, KIND[storage]
+    regs = ",".join(f"${i}" for i in range(count))
+    # scale-d is a predicate: 0 overwrites the accumulators (the first k-step of a product), 1 adds.
+    text = (f"{{ .reg .pred p; setp.ne.b32 p, ${count + 2}, 0; wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind} "
+            f"{{{regs}}}, ${count}, ${count + 1}, p, 1, 1, 0, 0; }}")
+
+    @intrinsic
+    def ss(typingctx, acc, smem, desc_a, desc_b, accumulate):
+        if not _is_fragment_array(acc):
+            return None
+        sig = types.void(acc, smem, types.uint64, types.uint64, types.int32)
+
+        def codegen(context, builder, signature, args):
+            i64, i32 = ir.IntType(64), ir.IntType(32)
+            flag = context.cast(builder, args[4], signature.args[4], types.int32)
+            _wgmma(builder, _fragments(context, builder, signature.args[0], args[0], count), [i64, i64, i32],
+                   ["l", "l", "r"], [args[2], args[3], flag], text)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return ss
+
+
+@functools.lru_cache(maxsize=None)
+def wgmma_rs(n, storage):
+    count, kind = n // 2, KIND[storage]
+    regs = ",".join(f"${i}" for i in range(count))
+    # B MN-major (imm-trans-b = 1): V as it sits in memory, keys along K and the head dim along N.
+    text = (f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind} {{{regs}}}, "
+            f"{{${count},${count + 1},${count + 2},${count + 3}}}, ${count + 4}, 1, 1, 1, 1;")
+
+    @intrinsic
+    def rs(typingctx, acc, a0, a1, a2, a3, smem, desc_b):
+        if not _is_fragment_array(acc):
+            return None
+        u = types.uint32
+        sig = types.void(acc, u, u, u, u, smem, types.uint64)
+
+        def codegen(context, builder, signature, args):
+            i64, i32 = ir.IntType(64), ir.IntType(32)
+            words = [context.cast(builder, v, t, types.uint32) for v, t in zip(args[1:5], signature.args[1:5])]
+            _wgmma(builder, _fragments(context, builder, signature.args[0], args[0], count), [i32] * 4 + [i64],
+                   ["r"] * 4 + ["l"], words + [args[6]], text)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return rs

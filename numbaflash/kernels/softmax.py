@@ -1,0 +1,80 @@
+"""The online softmax on tensor-core score fragments: the named steps of a forward kernel's loop.
+
+A warp's score tile sits in registers as the accumulator fragments of mma.sync (and of wgmma, which
+gives each warp of a warpgroup the same layout for its 16 rows): lane ``4 g + t`` holds, for each of
+its ``M`` m-tiles, rows ``g`` and ``g + 8`` (`mma_tiles.lane_row`) and in every 8-column chunk ``j`` the
+columns ``8 j + 2 t`` and ``+ 1``, so a row's scores are spread over the 4 lanes of a quad. Fragment
+row ``r`` (0 .. 2 M - 1) of a lane is m-tile ``r // 2``, half ``r % 2``; ``s[mi * NT + j, 2 half + e]``.
+
+The steps, in the order a key tile goes through them (`sim.online_softmax` is the same algorithm on
+whole arrays):
+
+* ``mask(s, warp_row, g, t, n_start, seqlen_q, seqlen_k, left, right)``: hidden scores become -inf.
+* ``online_softmax(s, m_i, l_i, alpha, scale_log2)``: new running maxima ``m_i``, the factor ``alpha``
+  by which earlier sums and outputs shrink, ``s`` exponentiated in place (``P``), and the running sums
+  ``l_i`` (a lane's partial sum; the quad adds them at the end). Scores stay raw: ``softmax_scale *
+  log2(e)`` is folded into the exponent's FMA, and the exponential is the hardware's ex2.
+* ``rescale_o(acc, alpha)``: the output accumulators times ``alpha``, row by row.
+* ``finish(l_i, inv)``: each row's whole sum (over the quad) into ``l_i`` and its inverse (0 for a row
+  that saw no key) into ``inv``, for the one normalization at the end.
+"""
+
+import numpy as np
+
+from .. import masks
+from .intrinsics import device_function, ex2, group_max, group_sum
+from .mma_tiles import lane_row
+
+ZERO, ONE, NEG_INF = np.float32(0), np.float32(1), np.float32(-np.inf)
+
+
+def steps(M, NT, DT):
+    """``(mask, online_softmax, rescale_o, finish)`` for ``M`` m-tiles of ``8 NT`` keys and ``8 DT`` output columns."""
+    M_ROWS = 2 * M
+
+    @device_function
+    def mask(s, warp_row, g, t, n_start, seqlen_q, seqlen_k, left, right):
+        for r in range(M_ROWS):
+            mi, half = r // 2, r % 2
+            lo_r, hi_r = masks.key_range(warp_row + lane_row(r, g), seqlen_q, seqlen_k, left, right)
+            for j in range(NT):
+                for e in range(2):
+                    key = n_start + 8 * j + 2 * t + e
+                    if key < lo_r or key >= hi_r:
+                        s[mi * NT + j, 2 * half + e] = NEG_INF
+
+    @device_function
+    def online_softmax(s, m_i, l_i, alpha, scale_log2):
+        for r in range(M_ROWS):
+            mi, half = r // 2, r % 2
+            row_max = s[mi * NT, 2 * half]
+            for j in range(mi * NT, mi * NT + NT):
+                row_max = max(row_max, max(s[j, 2 * half], s[j, 2 * half + 1]))
+            m_new = max(m_i[r], group_max(row_max, 4))
+            # A row that has seen only hidden keys keeps m = -inf; exponentiate it against 0.
+            base = m_new * scale_log2 if m_new != NEG_INF else ZERO
+            alpha[r] = ex2(m_i[r] * scale_log2 - base)
+            m_i[r] = m_new
+            row_sum = ZERO
+            for j in range(mi * NT, mi * NT + NT):
+                for e in range(2):
+                    p = ex2(s[j, 2 * half + e] * scale_log2 - base)
+                    s[j, 2 * half + e] = p
+                    row_sum += p
+            l_i[r] = l_i[r] * alpha[r] + row_sum
+
+    @device_function
+    def rescale_o(acc, alpha):
+        for r in range(M_ROWS):
+            mi, half = r // 2, r % 2
+            for j in range(mi * DT, mi * DT + DT):
+                acc[j, 2 * half] *= alpha[r]
+                acc[j, 2 * half + 1] *= alpha[r]
+
+    @device_function
+    def finish(l_i, inv):
+        for r in range(M_ROWS):
+            l_i[r] = group_sum(l_i[r], 4)
+            inv[r] = ONE / l_i[r] if l_i[r] > ZERO else ZERO
+
+    return mask, online_softmax, rescale_o, finish
