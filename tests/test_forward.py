@@ -6,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import numbaflash
+import sim
 from cases import DTYPES, NP_DTYPES, Case, cases, check_forward, gpu_cases, inputs
 from numbaflash import tiling
 from numbaflash.tiling import SIMULATOR_WGMMA_TILES, Device, MmaTiles, WgmmaTiles
@@ -128,6 +129,8 @@ def test_hopper_plans_name_the_kernel_family_and_why():
     assert small.kernel == large.kernel == "mma_forward"
     assert "pad less" in small.reason and "past the wgmma forward" in large.reason
     assert tiling.make_plan(1, 1, 1, 64, 64, 64, "float16", device=AMPERE).kernel == "mma_forward"
+    counted = sim.count_io(300, 128, plan=tiling.make_plan(1, 1, 1, 300, 300, 128, "float16", device=HOPPER), causal=True)
+    assert counted.total == counted.predicted["total"]  # sim counts the wgmma schedule as it runs
     with pytest.raises(ValueError, match="wgmma tiles run"):
         tiling.make_plan(1, 1, 1, 64, 64, 64, "float16", backward=True, tiles=WgmmaTiles(64, 16, 1))
     with pytest.raises(ValueError, match="64 x warpgroups"):

@@ -162,6 +162,7 @@ def wgmma_kernel(N, K, storage):
 
     ss, rs = wgmma_ss(N, storage), wgmma_rs(N, storage)
     B_AT, V_AT = 64 * K, 64 * K + N * K  # V's atoms are 64 columns wide, N or not
+    NT = N // 8  # a compile-time constant, as the local arrays' shape must be
 
     @cuda.jit
     def kernel(a, b, v, p, out_ss, out_rs):
@@ -177,10 +178,10 @@ def wgmma_kernel(N, K, storage):
         fence_proxy_async()
         cuda.syncthreads()
         address = shared_address(smem, base)
-        acc_ss = cuda.local.array((N // 8, 4), np.float32)
-        acc_rs = cuda.local.array((N // 8, 4), np.float32)
-        fill(acc_ss, N // 8, 4, np.float32(7))  # the first k-step must overwrite these
-        fill(acc_rs, N // 8, 4, np.float32(0))
+        acc_ss = cuda.local.array((NT, 4), np.float32)
+        acc_rs = cuda.local.array((NT, 4), np.float32)
+        fill(acc_ss, NT, 4, np.float32(7))  # the first k-step must overwrite these
+        fill(acc_rs, NT, 4, np.float32(0))
         wgmma_fence()
         for kk in range(K // 16):
             step = (kk // 4) * 64 * 128 + (kk % 4) * 32
@@ -192,7 +193,7 @@ def wgmma_kernel(N, K, storage):
         wgmma_commit()
         wgmma_wait0()
         w, g, t = tid // 32, (tid % 32) // 4, tid % 4
-        for j in range(N // 8):
+        for j in range(NT):
             for e in range(4):
                 row, col = 16 * w + g + 8 * (e // 2), 8 * j + 2 * t + e % 2
                 out_ss[row, col] = acc_ss[j, e]

@@ -8,20 +8,18 @@ registers), masks and exponentiates them in registers, repacks them as the 16-bi
 16 M_TILES x D output fragments (the two products are `mma_tiles`'s ``scores`` and ``accumulate``).
 
 K and V tiles are double-buffered: while a tile is computed, the next one is in flight with cp.async
-(16 bytes per copy, straight to shared memory). Scores stay raw; ``softmax_scale * log2(e)``
-is folded into the exponent's FMA, and the exponential is the hardware's ex2.
+(16 bytes per copy, straight to shared memory).
 """
-
-import math
 
 import numpy as np
 from numba import cuda, types
 
 from .. import masks
 from .blocks import query_block, write_hidden_rows
-from .intrinsics import cp_async_commit, cp_async_wait_all, cp_async_wait_one, ex2, group_max, group_sum
-from .mma_tiles import fragment_writer, lane_offsets, lane_row, products, row_stride, stager
+from .intrinsics import cp_async_commit, cp_async_wait_all, cp_async_wait_one
+from .mma_tiles import fragment_writer, lane_offsets, products, row_stride, stager
 from .register_tiles import fill
+from .softmax import steps
 
 
 def layout(D, tiles):
@@ -46,8 +44,9 @@ def build(D, tiles, storage):
     stage = stager(D, THREADS)
     scores, accumulate = products(BLOCK_N, D, storage, M)
     write_out = fragment_writer(D, storage)
+    mask, online_softmax, rescale_o, finish, write_lse = steps(M, NT, DT)
     f32 = np.float32
-    ZERO, ONE, NEG_INF, LN2 = f32(0), f32(1), f32(-np.inf), f32(math.log(2.0))
+    ZERO, NEG_INF = f32(0), f32(-np.inf)
 
     bits = types.Array(types.uint16, 4, "A")
     signature = (bits, bits, bits, bits, types.Array(types.float32, 3, "A"), types.float32, types.int64,
@@ -77,9 +76,10 @@ def build(D, tiles, storage):
         acc = cuda.local.array((M_DT, 4), types.float32)  # O fragments: ROWS x D per warp
         s = cuda.local.array((M_NT, 4), types.float32)  # S fragments: ROWS x BLOCK_N per warp
         frag = cuda.local.array((M, 4), types.uint32)  # A fragments of the warp's m-tiles (`products`)
-        # Row r of m_i, l_i is row `lane_row(r, g)` of the warp's ROWS.
+        # Row r of m_i, l_i is row `mma_tiles.lane_row(r, g)` of the warp's ROWS.
         m_i = cuda.local.array(M_ROWS, types.float32)
         l_i = cuda.local.array(M_ROWS, types.float32)
+        alpha = cuda.local.array(M_ROWS, types.float32)
         fill(acc, M_DT, 4, ZERO)
         for r in range(M_ROWS):
             m_i[r] = NEG_INF
@@ -105,51 +105,17 @@ def build(D, tiles, storage):
             scores(s, frag, smem, q_at, k_base + b_off)
 
             if not masks.tile_is_full(row_start, row_end, n_start, n_start + BLOCK_N, seqlen_q, seqlen_k, left, right):
-                for r in range(M_ROWS):
-                    mi, half = r // 2, r % 2
-                    lo_r, hi_r = masks.key_range(warp_row + lane_row(r, g), seqlen_q, seqlen_k, left, right)
-                    for j in range(NT):
-                        for e in range(2):
-                            key = n_start + 8 * j + 2 * t + e
-                            if key < lo_r or key >= hi_r:
-                                s[mi * NT + j, 2 * half + e] = NEG_INF
-
-            # Online softmax on the lane's 2 M rows; a row's BLOCK_N scores sit in the 4 lanes of a quad.
-            for r in range(M_ROWS):
-                mi, half = r // 2, r % 2
-                row_max = s[mi * NT, 2 * half]
-                for j in range(mi * NT, mi * NT + NT):
-                    row_max = max(row_max, max(s[j, 2 * half], s[j, 2 * half + 1]))
-                m_new = max(m_i[r], group_max(row_max, 4))
-                # A row that has seen only hidden keys keeps m = -inf; exponentiate it against 0.
-                base = m_new * scale_log2 if m_new != NEG_INF else ZERO
-                alpha = ex2(m_i[r] * scale_log2 - base)
-                m_i[r] = m_new
-                row_sum = ZERO
-                for j in range(mi * NT, mi * NT + NT):
-                    for e in range(2):
-                        p = ex2(s[j, 2 * half + e] * scale_log2 - base)
-                        s[j, 2 * half + e] = p
-                        row_sum += p
-                l_i[r] = l_i[r] * alpha + row_sum  # a per-lane partial sum; the quad adds them at the end
-                for j in range(mi * DT, mi * DT + DT):
-                    acc[j, 2 * half] *= alpha
-                    acc[j, 2 * half + 1] *= alpha
-
+                mask(s, warp_row, g, t, n_start, seqlen_q, seqlen_k, left, right)
+            online_softmax(s, m_i, l_i, alpha, scale_log2)
+            rescale_o(acc, alpha)
             accumulate(acc, s, frag, smem, v_base + t_off)  # O += P V, P rounded to 16 bits
             cuda.syncthreads()  # this stage is free for the copy issued at the top of the next iteration
 
         # One normalization at the end; O and LSE written once.
-        l_row = cuda.local.array(M_ROWS, types.float32)
         inv = cuda.local.array(M_ROWS, types.float32)
-        for r in range(M_ROWS):
-            l_row[r] = group_sum(l_i[r], 4)
-            inv[r] = ONE / l_row[r] if l_row[r] > ZERO else ZERO
+        finish(l_i, inv)
         for mi in range(M):
             write_out(out, b, warp_row + 16 * mi, h, acc, mi, inv[2 * mi], inv[2 * mi + 1], g, t)
-        for r in range(M_ROWS):
-            row = warp_row + lane_row(r, g)
-            if row < seqlen_q and t == 0:
-                lse[b, h, row] = ((m_i[r] * scale_log2 + math.log2(l_row[r])) * LN2 if l_row[r] > ZERO else NEG_INF)
+        write_lse(lse, b, h, warp_row, g, t, m_i, l_i, scale_log2)
 
     return attention_forward_mma, signature

@@ -17,7 +17,12 @@ whole arrays):
 * ``rescale_o(acc, alpha)``: the output accumulators times ``alpha``, row by row.
 * ``finish(l_i, inv)``: each row's whole sum (over the quad) into ``l_i`` and its inverse (0 for a row
   that saw no key) into ``inv``, for the one normalization at the end.
+* ``write_lse(lse, b, h, warp_row, g, t, m_i, l_i, scale_log2)``: each row's log-sum-exp (natural log; -inf
+  for a row that saw no key), written once by the quad's first lane.
 """
+
+import math
+
 
 import numpy as np
 
@@ -25,11 +30,11 @@ from .. import masks
 from .intrinsics import device_function, ex2, group_max, group_sum
 from .mma_tiles import lane_row
 
-ZERO, ONE, NEG_INF = np.float32(0), np.float32(1), np.float32(-np.inf)
+ZERO, ONE, NEG_INF, LN2 = np.float32(0), np.float32(1), np.float32(-np.inf), np.float32(math.log(2.0))
 
 
 def steps(M, NT, DT):
-    """``(mask, online_softmax, rescale_o, finish)`` for ``M`` m-tiles of ``8 NT`` keys and ``8 DT`` output columns."""
+    """``(mask, online_softmax, rescale_o, finish, write_lse)`` for ``M`` m-tiles of ``8 NT`` keys and ``8 DT`` output columns."""
     M_ROWS = 2 * M
 
     @device_function
@@ -77,4 +82,11 @@ def steps(M, NT, DT):
             l_i[r] = group_sum(l_i[r], 4)
             inv[r] = ONE / l_i[r] if l_i[r] > ZERO else ZERO
 
-    return mask, online_softmax, rescale_o, finish
+    @device_function
+    def write_lse(lse, b, h, warp_row, g, t, m_i, l_i, scale_log2):
+        for r in range(M_ROWS):
+            row = warp_row + lane_row(r, g)
+            if row < lse.shape[2] and t == 0:
+                lse[b, h, row] = ((m_i[r] * scale_log2 + math.log2(l_i[r])) * LN2 if l_i[r] > ZERO else NEG_INF)
+
+    return mask, online_softmax, rescale_o, finish, write_lse

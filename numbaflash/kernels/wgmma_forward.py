@@ -13,8 +13,6 @@ that product is done. K and V each run through a two-stage ring; V trails K by o
 barrier per iteration both publishes the landed tiles and frees the stages the copies refill.
 """
 
-import math
-
 import numpy as np
 from numba import cuda, types
 
@@ -22,7 +20,7 @@ from .. import masks
 from .blocks import query_block, write_hidden_rows
 from .intrinsics import (cp_async_commit, device_function, cp_async_wait_all, fence_proxy_async, shared_address, wgmma_commit,
                          wgmma_fence, wgmma_wait0, wgmma_wait1)
-from .mma_tiles import fragment_writer, lane_row
+from .mma_tiles import fragment_writer
 from .register_tiles import fill
 from .softmax import steps
 from .wgmma_tiles import ALIGN, ATOM, advance, aligned_base, descriptor, pack_p, products, stager
@@ -51,10 +49,10 @@ def build(D, tiles, storage):
     stage_q, stage_kv = stager(D, BLOCK_M, THREADS), stager(D, BLOCK_N, THREADS)
     scores, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage)
     pack = pack_p(BLOCK_N, storage)
-    mask, online_softmax, rescale_o, finish = steps(1, NT, DT)
+    mask, online_softmax, rescale_o, finish, write_lse = steps(1, NT, DT)
     write_out = fragment_writer(D, storage)
     f32 = np.float32
-    ZERO, NEG_INF, LN2 = f32(0), f32(-np.inf), f32(math.log(2.0))
+    ZERO, NEG_INF = f32(0), f32(-np.inf)
     SWIZZLE_PERIOD = 8 * ATOM * 2  # bytes between 8-row groups of a swizzled tile
     V_LEADING = BLOCK_N * ATOM * 2  # bytes between V's atoms along the head dim (wgmma's N)
 
@@ -118,7 +116,7 @@ def build(D, tiles, storage):
         acc = cuda.local.array((DT, 4), types.float32)  # O fragments: 64 x D per warpgroup
         s = cuda.local.array((NT, 4), types.float32)  # S, then P, fragments: 64 x BLOCK_N per warpgroup
         p = cuda.local.array((PS, 4), types.uint32)  # P rounded to 16 bits: the A operand of P V
-        # Row r of m_i, l_i is row `lane_row(r, g)` of the warp's 16.
+        # Row r of m_i, l_i is row `mma_tiles.lane_row(r, g)` of the warp's 16.
         m_i = cuda.local.array(2, types.float32)
         l_i = cuda.local.array(2, types.float32)
         alpha = cuda.local.array(2, types.float32)
@@ -164,9 +162,6 @@ def build(D, tiles, storage):
         inv = cuda.local.array(2, types.float32)
         finish(l_i, inv)
         write_out(out, b, warp_row, h, acc, 0, inv[0], inv[1], g, t)
-        for r in range(2):
-            row = warp_row + lane_row(r, g)
-            if row < seqlen_q and t == 0:
-                lse[b, h, row] = ((m_i[r] * scale_log2 + math.log2(l_i[r])) * LN2 if l_i[r] > ZERO else NEG_INF)
+        write_lse(lse, b, h, warp_row, g, t, m_i, l_i, scale_log2)
 
     return attention_forward_wgmma, signature
