@@ -15,7 +15,7 @@ import numpy as np
 from numba import cuda, types
 
 from .. import masks
-from .blocks import query_block, write_hidden_rows
+from .blocks import TENSOR_CORE_FORWARD, query_block, write_hidden_rows
 from .intrinsics import cp_async_commit, cp_async_wait_all, cp_async_wait_one
 from .mma_tiles import fragment_writer, lane_offsets, products, row_stride, stager
 from .register_tiles import fill
@@ -47,10 +47,6 @@ def build(D, tiles, storage):
     mask, online_softmax, rescale_o, finish, write_lse = steps(M, NT, DT)
     f32 = np.float32
     ZERO, NEG_INF = f32(0), f32(-np.inf)
-
-    bits = types.Array(types.uint16, 4, "A")
-    signature = (bits, bits, bits, bits, types.Array(types.float32, 3, "A"), types.float32, types.int64,
-                 types.int64, types.boolean)
 
     def attention_forward_mma(q, k, v, out, lse, scale_log2, left, right, vec):
         # q, out: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v: (batch, seqlen_k, nheads_kv, headdim)
@@ -118,4 +114,4 @@ def build(D, tiles, storage):
             write_out(out, b, warp_row + 16 * mi, h, acc, mi, inv[2 * mi], inv[2 * mi + 1], g, t)
         write_lse(lse, b, h, warp_row, g, t, m_i, l_i, scale_log2)
 
-    return attention_forward_mma, signature
+    return attention_forward_mma, TENSOR_CORE_FORWARD

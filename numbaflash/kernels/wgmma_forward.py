@@ -17,7 +17,7 @@ import numpy as np
 from numba import cuda, types
 
 from .. import masks
-from .blocks import query_block, write_hidden_rows
+from .blocks import TENSOR_CORE_FORWARD, query_block, write_hidden_rows
 from .intrinsics import (cp_async_commit, device_function, cp_async_wait_all, fence_proxy_async, shared_address, wgmma_commit,
                          wgmma_fence, wgmma_wait0, wgmma_wait1)
 from .mma_tiles import fragment_writer
@@ -82,10 +82,6 @@ def build(D, tiles, storage):
         wgmma_wait0()  # O and P are no longer read by the tensor cores
         rescale_o(acc, alpha)
         pack(p, s)
-
-    bits = types.Array(types.uint16, 4, "A")
-    signature = (bits, bits, bits, bits, types.Array(types.float32, 3, "A"), types.float32, types.int64,
-                 types.int64, types.boolean)
 
     def attention_forward_wgmma(q, k, v, out, lse, scale_log2, left, right, vec):
         # q, out: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v: (batch, seqlen_k, nheads_kv, headdim)
@@ -164,4 +160,4 @@ def build(D, tiles, storage):
         write_out(out, b, warp_row, h, acc, 0, inv[0], inv[1], g, t)
         write_lse(lse, b, h, warp_row, g, t, m_i, l_i, scale_log2)
 
-    return attention_forward_wgmma, signature
+    return attention_forward_wgmma, TENSOR_CORE_FORWARD
