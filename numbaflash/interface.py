@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _arrays, masks, tiling
-from .kernels import compiled, mma_backward, mma_forward, simt_backward, simt_forward, wgmma_forward
+from .kernels import compiled, mma_backward, mma_forward, simt_backward, simt_forward, wgmma_forward, wgmma_ws_forward
 from .kernels.elements import STORAGE
 from .kernels.intrinsics import SIMULATOR
 
@@ -186,6 +186,7 @@ def _scale_arg(call):
 
 BUILDERS = {
     "wgmma_forward": wgmma_forward.build,
+    "wgmma_ws_forward": wgmma_ws_forward.build,
     "mma_forward": mma_forward.build,
     "simt_forward": simt_forward.build,
     "simt_backward_preprocess": simt_backward.build_preprocess,
@@ -209,7 +210,7 @@ def _launch(plan, index, stream, *args):
 def _vector_elements(plan):
     """Head-dim elements per vector copy: 16-byte cp.async chunks in the tensor-core kernels, 4-element
     loads in the CUDA-core kernels."""
-    return 8 if plan.kernel in ("wgmma_forward", "mma_forward", "mma_backward") else 4
+    return 8 if plan.kernel in ("wgmma_forward", "wgmma_ws_forward", "mma_forward", "mma_backward") else 4
 
 
 def vector_staging(plan, *operands):

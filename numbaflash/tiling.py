@@ -100,12 +100,14 @@ class MmaTiles:
 @dataclass(frozen=True)
 class WgmmaTiles:
     """Blocks of the wgmma kernels (Hopper): ``warpgroups`` warpgroups of 64 query rows each per block of
-    ``block_m`` rows, ``block_n`` keys per streamed tile, K and V each in a ring of ``stages`` tiles."""
+    ``block_m`` rows, ``block_n`` keys per streamed tile, K and V each in a ring of ``stages`` tiles; with
+    ``producer``, one more warpgroup that only copies tiles (kernel v4, `wgmma_ws_forward`)."""
 
     block_m: int
     block_n: int
     warpgroups: int
     stages: int = 2
+    producer: bool = False
 
     def __post_init__(self):
         if self.block_m != 64 * self.warpgroups:
@@ -117,7 +119,11 @@ class WgmmaTiles:
 
     @property
     def threads(self):
-        return 128 * self.warpgroups
+        return 128 * (self.warpgroups + self.producer)
+
+    @property
+    def kernel(self):
+        return "wgmma_ws_forward" if self.producer else "wgmma_forward"
 
 
 @dataclass(frozen=True)
@@ -175,6 +181,10 @@ SIMULATOR_MMA_TILES = MmaTiles(32, 16, 1, 2)
 # spilled 216 bytes under the 168 registers a 384-thread block allows. At headdim 64, 128 x 112 ran
 # 0.68-0.89x (mma.sync 0.68-0.76x; 128 x 128 spilled 32 bytes, 192 x 64 spilled 32). Head dims up to 32
 # stay on mma.sync, whose 16- and 32-wide buckets pad less than wgmma's 64-wide swizzle atoms.
+# Kernel v4 (a producer warpgroup issuing every cp.async, mbarriers, setmaxnreg 56/224) fits 128 x 128 at
+# headdim 64 and 128 x 96 at 128 without spills, but ran slower: 0.60-0.73x and 0.61-0.67x SDPA flash
+# (.bench/wscheck.py): four producer warps cannot issue a tile's 16-byte copies as fast as eight
+# consumer warps do. It waits for the bulk tensor copy engine (TMA), which moves a tile per instruction.
 # On the simulator one warpgroup and 16-key tiles, the smallest wgmma.
 WGMMA_HEADDIMS = (64, 128)
 WGMMA_MIN_HEADDIM = 33
@@ -273,7 +283,8 @@ class Plan:
         t = self.tiles
         padded = f" padded to {self.headdim_padded}" if self.headdim_padded != self.headdim else ""
         if isinstance(t, WgmmaTiles):
-            owner = (f"{t.warpgroups} warpgroups, each owning 64 query rows; wgmma m64n{t.block_n}k16 (S = Q K^T, "
+            owner = (f"{t.warpgroups} warpgroups, each owning 64 query rows"
+                     f"{', and a producer warpgroup that copies K and V through mbarriers' if t.producer else ''}; wgmma m64n{t.block_n}k16 (S = Q K^T, "
                      f"operands in shared memory) and m64n{self.headdim_padded}k16 (O += P V, P from registers), "
                      f"float32 accumulators; K and V in {t.stages}-stage cp.async rings, 128-byte swizzle")
         elif isinstance(t, MmaTiles):
@@ -412,18 +423,18 @@ def _mma_forward_plan(shape, device, tiles):
 
 
 def _wgmma_forward_plan(shape, device, tiles):
-    from .kernels import wgmma_forward
+    from .kernels import wgmma_forward, wgmma_ws_forward
 
     D = next(D for D in WGMMA_HEADDIMS if shape["headdim"] <= D)
     tiles = tiles or (SIMULATOR_WGMMA_TILES if device.simulator else WGMMA_TILES[D])
-    smem = (wgmma_forward.smem_bytes(D, tiles),)
+    smem = ((wgmma_ws_forward if tiles.producer else wgmma_forward).smem_bytes(D, tiles),)
     _check_smem("forward", smem, shape, device)
     registers = 4 * (tiles.block_m * D + tiles.block_m * tiles.block_n + 2 * tiles.block_m)
     where = ("the CUDA simulator, whose wgmma and cp.async are emulations (one warpgroup per block)" if device.simulator
              else f"compute capability 9.0 ({device.name})")
     reason = (f"{shape['dtype']} on {where}: warpgroup tensor cores (wgmma), float32 accumulation; head dims padded "
               f"to 64 or 128")
-    return _plan("wgmma_forward", reason, shape, device, D, tiles, smem, registers)
+    return _plan(tiles.kernel, reason, shape, device, D, tiles, smem, registers)
 
 
 def _mma_backward_plan(shape, device, tiles):

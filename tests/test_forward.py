@@ -36,6 +36,17 @@ def test_wgmma_forward_matches_reference(case, arrays, poisoned):
     check_forward(case, with_tiles(case, SIMULATOR_WGMMA_TILES), *arrays)
 
 
+@pytest.mark.parametrize("case", [
+    Case(1, 70, 45, 2, 1, 64, "float16", seed=11), Case(2, 33, 50, 4, 2, 40, "bfloat16", causal=True, seed=12),
+    Case(1, 40, 90, 2, 2, 100, "float16", window_size=(20, 3), seed=13),
+])
+def test_wgmma_forward_with_a_producer_warpgroup(case, arrays, poisoned):
+    """Kernel v4: a producer warpgroup feeds the consumer through mbarriers (GQA, masks, odd lengths)."""
+    tiles = WgmmaTiles(64, 16, 1, producer=True)
+    assert tiling.make_plan(1, 1, 1, 64, 64, 64, "float16", tiles=tiles).kernel == "wgmma_ws_forward"
+    check_forward(case, with_tiles(case, tiles), *arrays)
+
+
 @pytest.mark.parametrize("dtype,headdim,device,kernel", [
     ("float32", 64, HOPPER, "simt_forward"), ("bfloat16", 256, TURING, "simt_forward"),
     ("float64", 64, HOPPER, "simt_forward"), ("float64", 200, HOPPER, "simt_forward"),

@@ -5,9 +5,10 @@ import numpy as np
 import pytest
 from numba import cuda, uint16
 
-from numbaflash.kernels.intrinsics import (cp_async_16, cp_async_commit, cp_async_wait_all, ex2, group_max,
-                                           group_sum, ldmatrix_x4, ldmatrix_x4_trans, load4, mma_bf16, mma_f16,
-                                           pack_bf16, pack_f16, SIMULATOR, device_function)
+from numbaflash.kernels.intrinsics import (SIMULATOR, cp_async_16, cp_async_commit, cp_async_mbarrier_arrive,
+                                           cp_async_wait_all, device_function, ex2, group_max, group_sum, ldmatrix_x4,
+                                           ldmatrix_x4_trans, load4, mbarrier_arrive, mbarrier_init, mbarrier_try_wait,
+                                           mma_bf16, mma_f16, pack_bf16, pack_f16)
 
 HALVES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
@@ -232,3 +233,39 @@ def test_wgmma_products_from_swizzled_shared_memory(dtype, N, arrays):
     wide = lambda x: x.astype(np.float64)
     np.testing.assert_allclose(to_host(out_ss), wide(a) @ wide(b).T, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(to_host(out_rs), wide(p) @ wide(v), rtol=1e-5, atol=1e-4)
+
+
+@cuda.jit
+def mbarrier_kernel(src, out, flags, use_cp_async):
+    # Warp 1 copies src into shared memory and arrives; warp 0 waits for the phase, then reads.
+    smem = cuda.shared.array(0, uint16)  # 64 halves of data, then the 8-byte barrier at element 64
+    tid = cuda.threadIdx.x
+    if tid == 0:
+        mbarrier_init(smem, 64, 32)
+    cuda.syncthreads()
+    if tid >= 32:
+        lane = tid - 32
+        if use_cp_async:
+            if lane < 8:
+                cp_async_16(smem, 8 * lane, src, (0, 0, 0, 8 * lane), 16)
+            cp_async_mbarrier_arrive(smem, 64)
+        else:
+            smem[2 * lane], smem[2 * lane + 1] = src[0, 0, 0, 2 * lane], src[0, 0, 0, 2 * lane + 1]
+            mbarrier_arrive(smem, 64)
+    else:
+        while mbarrier_try_wait(smem, 64, 0) == 0:
+            pass
+        flags[tid] = mbarrier_try_wait(smem, 64, 1)  # phase 1 has had no arrival: not complete
+        out[2 * tid], out[2 * tid + 1] = smem[2 * tid], smem[2 * tid + 1]
+
+
+@pytest.mark.parametrize("use_cp_async", [False, True])
+def test_mbarrier_phase_completes_after_count_arrivals(use_cp_async, arrays):
+    to_device, to_host = arrays
+    if not SIMULATOR and cuda.get_current_device().compute_capability < (9, 0):
+        pytest.skip("these mbarrier forms need compute capability 9.0")
+    src = np.arange(1, 65, dtype=np.uint16).reshape(1, 1, 1, 64)
+    out, flags = to_device(np.zeros(64, np.uint16)), to_device(np.full(32, 7, np.uint32))
+    mbarrier_kernel[1, 64, 0, 64 * 2 + 8](to_device(src), out, flags, use_cp_async)
+    np.testing.assert_array_equal(to_host(out), src.ravel())
+    np.testing.assert_array_equal(to_host(flags), np.zeros(32, np.uint32))

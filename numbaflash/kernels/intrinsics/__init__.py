@@ -42,6 +42,12 @@ Hopper (compute capability 9.0, sm_90a; `ptx_hopper`):
 * ``wgmma_fence()``, ``wgmma_commit()``, ``wgmma_wait0()``, ``wgmma_wait1()`` (all but the newest
   group complete), and ``fence_proxy_async()``: shared memory written by the generic proxy (cp.async
   included) becomes visible to wgmma's reads.
+* mbarriers in the 8 bytes at ``smem[i]`` (8-byte aligned): ``mbarrier_init(smem, i, count)`` (``count``
+  arrivals complete a phase), ``mbarrier_arrive(smem, i)``, ``cp_async_mbarrier_arrive(smem, i)`` (one
+  arrival once every earlier cp.async of the thread has landed: ``.noinc``), and
+  ``mbarrier_try_wait(smem, i, parity)``: 1 once the phase of that parity has completed, else 0.
+* ``setmaxnreg_inc(count)()`` / ``setmaxnreg_dec(count)()``: the warpgroup's registers per thread
+  raised or lowered to ``count`` (on the simulator, nothing).
 """
 
 from .target import SIMULATOR, device_function

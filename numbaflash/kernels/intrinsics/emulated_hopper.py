@@ -9,6 +9,7 @@ and stride byte offsets (16-byte units), and the swizzle that XORs address bits 
 """
 
 import functools
+import threading
 
 import ml_dtypes
 import numpy as np
@@ -131,3 +132,60 @@ def wgmma_rs(n, storage):
         flat[:n // 2] = d[rank]
 
     return rs
+
+
+class _Mbarrier:
+    """An mbarrier: ``count`` arrivals complete the current phase and start the next."""
+
+    def __init__(self, count):
+        self.count = self.pending = int(count)
+        self.phase = 0
+        self.cond = threading.Condition()
+
+    def arrive(self):
+        with self.cond:
+            self.pending -= 1
+            if self.pending == 0:
+                self.phase += 1
+                self.pending = self.count
+                self.cond.notify_all()
+
+
+def _mbarriers():
+    manager = threading.current_thread()._manager  # one per running thread block
+    return manager.__dict__.setdefault("_numbaflash_mbarriers", {})
+
+
+def mbarrier_init(smem, i, count):
+    _mbarriers()[int(i)] = _Mbarrier(count)
+
+
+def mbarrier_arrive(smem, i):
+    _mbarriers()[int(i)].arrive()
+
+
+def cp_async_mbarrier_arrive(smem, i):
+    # The emulated cp.async lands at once, so every earlier copy of this thread has landed.
+    _mbarriers()[int(i)].arrive()
+
+
+def mbarrier_try_wait(smem, i, parity):
+    """1 once the phase of parity ``parity`` has completed (the current phase's parity differs), else 0
+    after a short wait (the hardware's try_wait also suspends the thread for a while)."""
+    barrier = _mbarriers()[int(i)]
+    with barrier.cond:
+        if barrier.phase % 2 == int(parity):
+            barrier.cond.wait(0.01)
+        return np.uint32(barrier.phase % 2 != int(parity))
+
+
+def _no_op():
+    pass
+
+
+def setmaxnreg_inc(count):
+    return _no_op
+
+
+def setmaxnreg_dec(count):
+    return _no_op

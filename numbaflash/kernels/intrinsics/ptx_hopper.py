@@ -108,3 +108,70 @@ def wgmma_rs(n, storage):
         return sig, codegen
 
     return rs
+
+
+def _mbarrier_codegen(template, returns):
+    """Codegen of an op on the mbarrier at ``smem[i]``: ``template`` names its address ``$A`` and the u32
+    operands after it ``$X0, ...``; a returning op writes ``$0``."""
+    i32 = ir.IntType(32)
+
+    def codegen(context, builder, signature, args):
+        address = _shared_address(context, builder, signature.args[0], args[0], args[1], signature.args[1])
+        values = [context.cast(builder, v, t, types.uint32) for v, t in zip(args[2:], signature.args[2:])]
+        first = 1 if returns else 0
+        text = template.replace("$A", f"${first}")
+        for k in range(len(values)):
+            text = text.replace(f"$X{k}", f"${first + 1 + k}")
+        constraints = (["=r"] if returns else []) + ["r"] * (1 + len(values)) + ["~{memory}"]
+        res = _asm(builder, [i32] * (1 + len(values)), i32 if returns else ir.VoidType(), text,
+                   ",".join(constraints), [address] + values, True)
+        return res if returns else context.get_dummy_value()
+
+    return codegen
+
+
+def _is_shared_words(smem):
+    return isinstance(smem, types.Array) and smem.ndim == 1
+
+
+def _mbarrier_op(template):
+    """``op(smem, i)`` on the mbarrier in the 8 bytes at ``smem[i]`` (8-byte aligned)."""
+    @intrinsic
+    def op(typingctx, smem, i):
+        return (types.void(smem, i), _mbarrier_codegen(template, False)) if _is_shared_words(smem) else None
+
+    return op
+
+
+def _mbarrier_op_u32(template, returns):
+    """``op(smem, i, x)``: an mbarrier op with one u32 operand, returning a u32 or nothing."""
+    @intrinsic
+    def op(typingctx, smem, i, x):
+        if not _is_shared_words(smem):
+            return None
+        return (returns or types.void)(smem, i, types.uint32), _mbarrier_codegen(template, returns is not None)
+
+    return op
+
+
+mbarrier_init = _mbarrier_op_u32("mbarrier.init.shared::cta.b64 [$A], $X0;", None)
+mbarrier_arrive = _mbarrier_op("mbarrier.arrive.shared::cta.b64 _, [$A];")
+# Counts as one of the barrier's expected arrivals once every earlier cp.async of this thread has landed.
+cp_async_mbarrier_arrive = _mbarrier_op("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$A];")
+mbarrier_try_wait = _mbarrier_op_u32(
+    "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [$A], $X0; selp.u32 $0, 1, 0, p; }", types.uint32)
+
+
+def _setmaxnreg(kind, count):
+    return _barrier_asm(f"setmaxnreg.{kind}.sync.aligned.u32 {count};")
+
+
+@functools.lru_cache(maxsize=None)
+def setmaxnreg_inc(count):
+    """``setmaxnreg.inc`` to ``count`` registers per thread (a multiple of 8, 24 to 256), for the whole warpgroup."""
+    return _setmaxnreg("inc", count)
+
+
+@functools.lru_cache(maxsize=None)
+def setmaxnreg_dec(count):
+    return _setmaxnreg("dec", count)
