@@ -7,7 +7,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _arrays, masks, tiling
-from .kernels import compiled, mma_backward, mma_forward, simt_backward, simt_forward, wgmma_forward, wgmma_ws_forward
+from .kernels import compiled
+from .kernels.mma import backward as mma_backward, forward as mma_forward
+from .kernels.simt import backward as simt_backward, forward as simt_forward
+from .kernels.wgmma import forward as wgmma_forward, ws_forward as wgmma_ws_forward
 from .kernels.elements import STORAGE
 from .kernels.intrinsics import SIMULATOR
 
@@ -115,8 +118,9 @@ def inspect(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), nam
 
 
 def _plan_for(call, backward, device=None):
+    aligned = all(op.vector_aligned(8) for op in (call.q, call.k, call.v))
     return tiling.make_plan(call.batch, call.nheads, call.nheads_kv, call.seqlen_q, call.seqlen_k, call.headdim,
-                            call.dtype, backward=backward, device=device)
+                            call.dtype, backward=backward, device=device, aligned=aligned)
 
 
 def _check_plan(plan, call, direction):
@@ -187,6 +191,7 @@ def _scale_arg(call):
 BUILDERS = {
     "wgmma_forward": wgmma_forward.build,
     "wgmma_ws_forward": wgmma_ws_forward.build,
+    "wgmma_tma_forward": wgmma_ws_forward.build,
     "mma_forward": mma_forward.build,
     "simt_forward": simt_forward.build,
     "simt_backward_preprocess": simt_backward.build_preprocess,
@@ -210,7 +215,7 @@ def _launch(plan, index, stream, *args):
 def _vector_elements(plan):
     """Head-dim elements per vector copy: 16-byte cp.async chunks in the tensor-core kernels, 4-element
     loads in the CUDA-core kernels."""
-    return 8 if plan.kernel in ("wgmma_forward", "wgmma_ws_forward", "mma_forward", "mma_backward") else 4
+    return 4 if isinstance(plan.tiles, tiling.Tiles) else 8
 
 
 def vector_staging(plan, *operands):
@@ -224,8 +229,15 @@ def vector_staging(plan, *operands):
 
 def run_forward(call, plan, out, lse):
     """Launch the forward kernel of ``plan`` on validated operands (``out``, ``lse`` preallocated)."""
-    _launch(plan, 0, _arrays.stream_of(call.q), call.q, call.k, call.v, out, lse, _scale_arg(call), call.left,
-            call.right, vector_staging(plan, call.q, call.k, call.v))
+    vec = vector_staging(plan, call.q, call.k, call.v)
+    args = [call.q, call.k, call.v, out, lse, _scale_arg(call), call.left, call.right, vec]
+    if isinstance(plan.tiles, tiling.WgmmaTiles) and plan.tiles.producer:
+        if plan.tiles.tma and not vec:
+            raise ValueError("plan copies with the bulk tensor copy engine (tma), which needs q, k, v with a "
+                             "contiguous head dim, a multiple of 8, and 16-byte aligned strides; make a plan "
+                             "without tma tiles for these inputs")
+        args.append(wgmma_ws_forward.tensor_map_args(call.q, call.k, call.v, plan.tiles))
+    _launch(plan, 0, _arrays.stream_of(call.q), *args)
 
 
 def run_backward(call, plan, dout, lse, out, delta, dq, dk, dv):

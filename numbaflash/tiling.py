@@ -101,13 +101,15 @@ class MmaTiles:
 class WgmmaTiles:
     """Blocks of the wgmma kernels (Hopper): ``warpgroups`` warpgroups of 64 query rows each per block of
     ``block_m`` rows, ``block_n`` keys per streamed tile, K and V each in a ring of ``stages`` tiles; with
-    ``producer``, one more warpgroup that only copies tiles (kernel v4, `wgmma_ws_forward`)."""
+    ``producer``, one more warpgroup that only copies tiles (kernel v4, `wgmma.ws_forward`), with ``tma``
+    as bulk tensor copies (kernel v5)."""
 
     block_m: int
     block_n: int
     warpgroups: int
     stages: int = 2
     producer: bool = False
+    tma: bool = False
 
     def __post_init__(self):
         if self.block_m != 64 * self.warpgroups:
@@ -116,6 +118,8 @@ class WgmmaTiles:
             raise ValueError(f"wgmma key tiles have a multiple of 16 keys, 16 to 256 (wgmma's N); got {self}")
         if self.stages != 2:
             raise ValueError(f"the wgmma forward runs a two-stage K/V ring; got {self}")
+        if self.tma and not self.producer:
+            raise ValueError(f"bulk tensor copies (tma) are issued by a producer warpgroup; got {self}")
 
     @property
     def threads(self):
@@ -123,7 +127,7 @@ class WgmmaTiles:
 
     @property
     def kernel(self):
-        return "wgmma_ws_forward" if self.producer else "wgmma_forward"
+        return "wgmma_tma_forward" if self.tma else "wgmma_ws_forward" if self.producer else "wgmma_forward"
 
 
 @dataclass(frozen=True)
@@ -174,21 +178,23 @@ MMA_HEADDIMS = (16, 32, 64, 128, 256)
 MMA_TILES = {16: MmaTiles(128, 64, 4, 2), 32: MmaTiles(128, 64, 4, 2), 64: MmaTiles(128, 64, 4, 2),
              128: MmaTiles(128, 32, 4, 2), 256: MmaTiles(64, 64, 4)}
 SIMULATOR_MMA_TILES = MmaTiles(32, 16, 1, 2)
-# wgmma forward (compute capability 9.0), by head-dim bucket: two warpgroups of 64 query rows share
-# every K and V tile. Measured on the H200, fp16, N = 4096 and 16384, causal and not, against SDPA flash
-# in the same run (.bench/wgtiles.py): at headdim 128, 128 x 64 ran 0.77-0.89x (mma.sync's best 0.65-0.71x);
-# 128 x 80, 96 and 112 ran up to 0.98x but spilled 40-184 bytes, and three warpgroups (192 x 64, 0.82-1.02x)
-# spilled 216 bytes under the 168 registers a 384-thread block allows. At headdim 64, 128 x 112 ran
-# 0.68-0.89x (mma.sync 0.68-0.76x; 128 x 128 spilled 32 bytes, 192 x 64 spilled 32). Head dims up to 32
-# stay on mma.sync, whose 16- and 32-wide buckets pad less than wgmma's 64-wide swizzle atoms.
-# Kernel v4 (a producer warpgroup issuing every cp.async, mbarriers, setmaxnreg 56/224) fits 128 x 128 at
-# headdim 64 and 128 x 96 at 128 without spills, but ran slower: 0.60-0.73x and 0.61-0.67x SDPA flash
-# (.bench/wscheck.py): four producer warps cannot issue a tile's 16-byte copies as fast as eight
-# consumer warps do. It waits for the bulk tensor copy engine (TMA), which moves a tile per instruction.
+# wgmma forward (compute capability 9.0), by head-dim bucket; two consumer warpgroups of 64 query rows
+# share every K and V tile. Measured on the H200, fp16, N = 4096 and 16384, causal and not, against SDPA
+# flash in the same run (.bench/wgtiles.py, .bench/wscheck.py, .bench/tmacheck.py):
+# - headdim 64: v5 (a producer warpgroup issuing bulk tensor copies, 128 x 128) ran 0.95-1.11x; v3
+#   (every warpgroup copies with cp.async, then computes) 0.73-0.88x at 128 x 112 (128 x 128 spilled 32
+#   bytes under 255 registers); v4 (the producer with cp.async) 0.60-0.73x: four warps cannot issue a
+#   tile's 16-byte copies fast enough, which one bulk copy per swizzle atom fixes.
+# - headdim 128: v3 at 128 x 64 ran 0.76-0.91x, v5 at 128 x 96 0.70-0.82x and at 128 x 80 0.60-0.70x
+#   (128 x 112 and 128 x 128 spill in v5's 168 registers). v3 stays; 128 x 80/96/112 spilled 40-184
+#   bytes in v3, and three warpgroups (192 x 64, 0.82-1.02x) 216 bytes under 168 registers.
+# Inputs the copy engine cannot read (`make_plan`'s ``aligned``) run v3 with cp.async: WGMMA_CP_ASYNC_TILES.
+# Head dims up to 32 stay on mma.sync, whose 16- and 32-wide buckets pad less than wgmma's 64-wide atoms.
 # On the simulator one warpgroup and 16-key tiles, the smallest wgmma.
 WGMMA_HEADDIMS = (64, 128)
 WGMMA_MIN_HEADDIM = 33
-WGMMA_TILES = {64: WgmmaTiles(128, 112, 2), 128: WgmmaTiles(128, 64, 2)}
+WGMMA_TILES = {64: WgmmaTiles(128, 128, 2, producer=True, tma=True), 128: WgmmaTiles(128, 64, 2)}
+WGMMA_CP_ASYNC_TILES = {64: WgmmaTiles(128, 112, 2), 128: WgmmaTiles(128, 64, 2)}
 SIMULATOR_WGMMA_TILES = WgmmaTiles(64, 16, 1)
 # Tensor-core backward: square blocks, because `sim` counts one B_r = B_c for both passes (the dK/dV
 # kernel owns block_m keys and streams block_n queries; the dQ kernel the reverse). Up to headdim 64,
@@ -283,10 +289,11 @@ class Plan:
         t = self.tiles
         padded = f" padded to {self.headdim_padded}" if self.headdim_padded != self.headdim else ""
         if isinstance(t, WgmmaTiles):
-            owner = (f"{t.warpgroups} warpgroups, each owning 64 query rows"
-                     f"{', and a producer warpgroup that copies K and V through mbarriers' if t.producer else ''}; wgmma m64n{t.block_n}k16 (S = Q K^T, "
+            copies = ("a producer warpgroup's bulk tensor copies (TMA) on mbarriers" if t.tma else
+                      "a producer warpgroup's cp.async on mbarriers" if t.producer else "every thread's cp.async")
+            owner = (f"{t.warpgroups} warpgroups, each owning 64 query rows; wgmma m64n{t.block_n}k16 (S = Q K^T, "
                      f"operands in shared memory) and m64n{self.headdim_padded}k16 (O += P V, P from registers), "
-                     f"float32 accumulators; K and V in {t.stages}-stage cp.async rings, 128-byte swizzle")
+                     f"float32 accumulators; K and V in {t.stages}-stage rings filled by {copies}, 128-byte swizzle")
         elif isinstance(t, MmaTiles):
             n = t.rows_per_warp
             rows = f"{n} keys (dK/dV) or {n} query rows (dQ)" if self.direction == "backward" else f"{n} query rows"
@@ -317,15 +324,19 @@ def _choose(direction, acc, D, acc_bytes, device, smem_of):
     return fitting[0]
 
 
-def make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward=False, device=None, tiles=None):
-    """The plan for these sizes on ``device`` (default: the current one). ``tiles`` overrides the blocks."""
+def make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward=False, device=None, tiles=None,
+              aligned=True):
+    """The plan for these sizes on ``device`` (default: the current one). ``tiles`` overrides the blocks.
+    ``aligned``: whether q, k and v have a contiguous head dim, a multiple of 8, and 16-byte aligned
+    strides, as the bulk tensor copy engine needs (`interface.vector_staging`)."""
     device = current_device() if device is None else device
-    return _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles)
+    return _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned)
 
 
 @functools.lru_cache(maxsize=1024)  # plans are immutable; a model calls attention with few distinct shapes
-def _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles):
-    from .kernels import mma_backward, simt_backward, simt_forward
+def _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned):
+    from .kernels.mma import backward as mma_backward
+    from .kernels.simt import backward as simt_backward, forward as simt_forward
 
     shape = dict(batch=batch, nheads=nheads, nheads_kv=nheads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                  headdim=headdim, dtype=dtype)
@@ -334,7 +345,7 @@ def _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, bac
                          f"got {dtype}, headdim {headdim}, {'backward' if backward else 'forward'}")
     if uses_tensor_cores(dtype, device) and (tiles is None or isinstance(tiles, (MmaTiles, WgmmaTiles))):
         if not backward and (isinstance(tiles, WgmmaTiles) or (tiles is None and uses_wgmma(dtype, device, headdim))):
-            return _wgmma_forward_plan(shape, device, tiles)
+            return _wgmma_forward_plan(shape, device, tiles, aligned)
         if not backward:
             return _mma_forward_plan(shape, device, tiles)
         if headdim <= mma_backward.MAX_HEADDIM:
@@ -376,7 +387,7 @@ def _plan(kernel, reason, shape, device, D, tiles, smem, registers):
     bm = tiles.block_m
     query_blocks = (_cdiv(shape["seqlen_q"], bm), nheads, batch)
     if backward:
-        from .kernels.simt_backward import PREPROCESS_ROWS
+        from .kernels.simt.backward import PREPROCESS_ROWS
 
         launches = (
             Launch("simt_backward_preprocess", (_cdiv(shape["seqlen_q"], PREPROCESS_ROWS), nheads, batch),
@@ -403,7 +414,7 @@ def _check_smem(what, smem, shape, device):
 
 
 def _mma_forward_plan(shape, device, tiles):
-    from .kernels import mma_forward
+    from .kernels.mma import forward as mma_forward
 
     D = mma_headdim_bucket(shape["headdim"])
     requested = tiles is not None
@@ -422,23 +433,32 @@ def _mma_forward_plan(shape, device, tiles):
     return _plan("mma_forward", reason, shape, device, D, tiles, smem, registers)
 
 
-def _wgmma_forward_plan(shape, device, tiles):
-    from .kernels import wgmma_forward, wgmma_ws_forward
+def _wgmma_forward_plan(shape, device, tiles, aligned):
+    from .kernels.wgmma import forward as wgmma_forward, ws_forward as wgmma_ws_forward
 
     D = next(D for D in WGMMA_HEADDIMS if shape["headdim"] <= D)
-    tiles = tiles or (SIMULATOR_WGMMA_TILES if device.simulator else WGMMA_TILES[D])
+    copies = ""
+    if tiles is None:
+        tiles = SIMULATOR_WGMMA_TILES if device.simulator else WGMMA_TILES[D]
+        if tiles.tma and not aligned:
+            tiles = WGMMA_CP_ASYNC_TILES[D]
+            copies = ("; q, k or v has a head dim that is not contiguous, not a multiple of 8 or not 16-byte "
+                      "aligned, which the bulk tensor copy engine cannot read: v3 copies with cp.async")
+    elif tiles.tma and not aligned:
+        raise ValueError(f"{tiles} copy with the bulk tensor copy engine, which needs q, k, v with a contiguous head "
+                         "dim, a multiple of 8, and 16-byte aligned strides; use tiles without tma for these inputs")
     smem = ((wgmma_ws_forward if tiles.producer else wgmma_forward).smem_bytes(D, tiles),)
     _check_smem("forward", smem, shape, device)
     registers = 4 * (tiles.block_m * D + tiles.block_m * tiles.block_n + 2 * tiles.block_m)
     where = ("the CUDA simulator, whose wgmma and cp.async are emulations (one warpgroup per block)" if device.simulator
              else f"compute capability 9.0 ({device.name})")
     reason = (f"{shape['dtype']} on {where}: warpgroup tensor cores (wgmma), float32 accumulation; head dims padded "
-              f"to 64 or 128")
+              f"to 64 or 128{copies}")
     return _plan(tiles.kernel, reason, shape, device, D, tiles, smem, registers)
 
 
 def _mma_backward_plan(shape, device, tiles):
-    from .kernels import mma_backward
+    from .kernels.mma import backward as mma_backward
 
     D = mma_headdim_bucket(shape["headdim"])
     tiles = tiles or (SIMULATOR_MMA_BACKWARD_TILES if device.simulator else MMA_BACKWARD_TILES[D])

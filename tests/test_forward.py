@@ -38,19 +38,38 @@ def test_wgmma_forward_matches_reference(case, arrays, poisoned):
 
 @pytest.mark.parametrize("case", [
     Case(1, 70, 45, 2, 1, 64, "float16", seed=11), Case(2, 33, 50, 4, 2, 40, "bfloat16", causal=True, seed=12),
-    Case(1, 40, 90, 2, 2, 100, "float16", window_size=(20, 3), seed=13),
+    Case(1, 40, 90, 2, 2, 104, "float16", window_size=(20, 3), seed=13),
 ])
-def test_wgmma_forward_with_a_producer_warpgroup(case, arrays, poisoned):
-    """Kernel v4: a producer warpgroup feeds the consumer through mbarriers (GQA, masks, odd lengths)."""
-    tiles = WgmmaTiles(64, 16, 1, producer=True)
-    assert tiling.make_plan(1, 1, 1, 64, 64, 64, "float16", tiles=tiles).kernel == "wgmma_ws_forward"
+@pytest.mark.parametrize("tma,kernel", [(False, "wgmma_ws_forward"), (True, "wgmma_tma_forward")])
+def test_wgmma_forward_with_a_producer_warpgroup(case, tma, kernel, arrays, poisoned):
+    """Kernels v4 (cp.async) and v5 (bulk tensor copies): a producer warpgroup feeds the consumer through
+    mbarriers (GQA, masks, odd lengths, padded head dims)."""
+    tiles = WgmmaTiles(64, 16, 1, producer=True, tma=tma)
+    assert tiling.make_plan(1, 1, 1, 64, 64, 64, "float16", tiles=tiles).kernel == kernel
     check_forward(case, with_tiles(case, tiles), *arrays)
+
+
+def test_inputs_the_copy_engine_cannot_read_run_with_cp_async(arrays):
+    """A head dim of 36 (72-byte rows, not 16-byte aligned) in a packed qkv: v3 runs, and the plan says why."""
+    to_device, to_host = arrays
+    aligned = tiling.make_plan(1, 2, 2, 50, 50, 48, "float16", device=HOPPER)
+    fallback = tiling.make_plan(1, 2, 2, 50, 50, 36, "float16", device=HOPPER, aligned=False)
+    assert aligned.kernel == "wgmma_tma_forward" and fallback.kernel == "wgmma_forward"
+    assert "bulk tensor copy engine cannot read" in fallback.reason and not fallback.tiles.tma
+    with pytest.raises(ValueError, match="bulk tensor copy engine"):
+        tiling.make_plan(1, 2, 2, 50, 50, 36, "float16", aligned=False, tiles=WgmmaTiles(64, 16, 1, producer=True, tma=True))
+    qkv = to_device(np.random.default_rng(4).standard_normal((1, 50, 3, 2, 36)).astype(np.float16))
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    plan = tiling.make_plan(1, 2, 2, 50, 50, 36, "float16", tiles=WgmmaTiles(64, 16, 1, producer=True, tma=True))
+    with pytest.raises(ValueError, match="plan copies with the bulk tensor copy engine"):
+        numbaflash.attention(q, k, v, plan=plan)
 
 
 @pytest.mark.parametrize("dtype,headdim,device,kernel", [
     ("float32", 64, HOPPER, "simt_forward"), ("bfloat16", 256, TURING, "simt_forward"),
     ("float64", 64, HOPPER, "simt_forward"), ("float64", 200, HOPPER, "simt_forward"),
     ("float16", 40, AMPERE, "mma_forward"), ("bfloat16", 72, HOPPER, "wgmma_forward"),
+    ("float16", 48, HOPPER, "wgmma_tma_forward"),
 ])
 def test_production_tilings_on_small_shapes(dtype, headdim, device, kernel, arrays, poisoned):
     """The GPUs' own block sizes (4 warps; 256-512 threads for the CUDA-core kernel), on the simulator."""
@@ -207,13 +226,14 @@ def test_tensor_core_kernels_sass_has_their_mma_and_no_local_memory(dtype, headd
         assert plan.kernel == "simt_backward" and "headdim 256 > 128" in plan.reason
         return
     hopper = not backward and tiling.uses_wgmma(dtype, tiling.current_device(), headdim)
-    assert plan.kernel == ("mma_backward" if backward else "wgmma_forward" if hopper else "mma_forward")
+    assert plan.kernel == ("mma_backward" if backward else plan.tiles.kernel if hopper else "mma_forward")
     for launch in plan.launches:
         if launch.kernel == "simt_backward_preprocess":
             continue  # the backward's D = rowsum(dO * O) runs on the CUDA cores
         sass = "\n".join(interface.kernel_for(plan, launch).dispatcher.inspect_sass().values())
         assert "LDL" not in sass and "STL" not in sass, launch.kernel
-        assert "LDGSTS" in sass, launch.kernel  # cp.async made it through
+        tma = isinstance(plan.tiles, tiling.WgmmaTiles) and plan.tiles.tma
+        assert ("UTMALDG" if tma else "LDGSTS") in sass, launch.kernel  # bulk tensor copies, or cp.async
         if hopper:
             assert "HGMMA" in sass and "HMMA" not in sass.replace("HGMMA", ""), launch.kernel
         else:

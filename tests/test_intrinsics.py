@@ -158,8 +158,8 @@ def wgmma_kernel(N, K, storage):
     registers, V K x N MN-major), each over K / 16 k-steps, from swizzled tiles the kernel stages itself."""
     from numbaflash.kernels.intrinsics import (fence_proxy_async, shared_address, wgmma_commit, wgmma_fence,
                                                wgmma_rs, wgmma_ss, wgmma_wait0)
-    from numbaflash.kernels.register_tiles import fill
-    from numbaflash.kernels.wgmma_tiles import aligned_base, descriptor
+    from numbaflash.kernels.fragments import fill
+    from numbaflash.kernels.wgmma.tiles import aligned_base, descriptor
 
     ss, rs = wgmma_ss(N, storage), wgmma_rs(N, storage)
     B_AT, V_AT = 64 * K, 64 * K + N * K  # V's atoms are 64 columns wide, N or not

@@ -1,7 +1,8 @@
-"""Compile each kernel specialization once per process, and launch it with its plan's resources.
+"""Compile each kernel specialization once, and launch it with its plan's resources.
 
 A specialization is (kernel builder, padded head dim, tiles, storage dtype); its sizes are compile-time
-constants, so each one is a separate compile, cached here for the life of the process.
+constants, so each one is a separate compile, kept for the life of the process and, on a GPU, on disk
+(`disk_cache`): a new process loads the cubin instead of compiling.
 
 Launches on the GPU pack the kernel's parameters themselves and call cuda.core's ``launch``, as
 numba's dispatcher does after it has typed and wrapped every argument: that wrapping (a numba device
@@ -14,9 +15,12 @@ dispatcher launches, on views of the operands.
 import ctypes
 import functools
 
+import numba
+import numba_cuda
 from numba import cuda, types
 from numba.np.numpy_support import as_dtype
 
+from . import disk_cache
 from .intrinsics import SIMULATOR
 
 STATIC_SMEM_LIMIT = 48 * 1024  # bytes a kernel may use before its dynamic limit is raised
@@ -34,16 +38,20 @@ def kernel(build, D, tiles, storage, threads):
     registers already lets a 256-thread block launch.
     """
     fn, signature = build(D, tiles, storage)
-    if SIMULATOR:
-        return Kernel(cuda.jit(signature)(fn), signature)
-    return Kernel(cuda.jit(signature, launch_bounds=threads if threads > 256 else None)(fn), signature)
+    launch_bounds = threads if threads > 256 and not SIMULATOR else None
+    specialization = (build.__module__, build.__qualname__, D, repr(tiles), storage, launch_bounds)
+    return Kernel(fn, signature, launch_bounds, specialization)
 
 
 class Kernel:
-    """One compiled specialization: numba's ``dispatcher`` (for inspection) and `launch`."""
+    """One specialization: `launch`, and numba's ``dispatcher`` (compiled when first asked for: on a GPU a
+    launch loads the kernel from the disk cache when it can, and compiles only on a miss)."""
 
-    def __init__(self, dispatcher, signature):
-        self.dispatcher = dispatcher
+    def __init__(self, fn, signature, launch_bounds, specialization):
+        self._fn = fn
+        self._launch_bounds = launch_bounds
+        self._specialization = specialization
+        self.signature = signature
         # A kernel array argument's dtype (the operand is viewed as it: float16 and bfloat16 as uint16
         # bits where the kernel takes them so), or a scalar's C type.
         self.dtypes = [as_dtype(t.dtype) if isinstance(t, types.Array) else None for t in signature]
@@ -71,16 +79,51 @@ class Kernel:
         function = self._function(stream.device, smem_bytes)
         launch(stream, LaunchConfig(grid=grid, block=threads, shmem_size=smem_bytes), function, *params)
 
+    @functools.cached_property
+    def dispatcher(self):
+        if SIMULATOR:
+            return cuda.jit(self.signature)(self._fn)
+        return cuda.jit(self.signature, launch_bounds=self._launch_bounds)(self._fn)
+
     def cufunc(self):
         """numba's CUfunction of this kernel on the current device (its resources are ``.attrs``)."""
-        return next(iter(self.dispatcher.overloads.values()))._codelibrary.get_cufunc()
+        return self._library().get_cufunc()
+
+    def _library(self):
+        return next(iter(self.dispatcher.overloads.values()))._codelibrary
+
+    def cache_entry(self):
+        """This specialization's `disk_cache` key on the current GPU."""
+        from numba.cuda.cudadrv import driver, nvvm
+
+        cc = cuda.get_current_device().compute_capability
+        versions = (numba.__version__, numba_cuda.__version__, nvvm.NVVM().get_version(), driver.driver.get_version())
+        return disk_cache.key(self._specialization + (cc, versions))
+
+    def _load_or_compile(self):
+        """The CUfunction from the disk cache, else compiled (and stored)."""
+        entry = self.cache_entry()
+        stored = disk_cache.load(entry)
+        if stored is not None:
+            entry_name, cubin = stored
+            try:
+                from cuda.core import ObjectCode
+
+                image = ObjectCode.from_cubin(cubin)
+                return cuda.current_context().create_module_image(image).get_function(entry_name)
+            except Exception:  # a cubin the driver rejects is rebuilt, whatever the driver's complaint
+                disk_cache.remove(entry)
+        cufunc = self.cufunc()
+        library = self._library()
+        disk_cache.store(entry, library._entry_name, bytes(library.get_cubin().code))  # a cuda.core ObjectCode
+        return cufunc
 
     def _function(self, device, smem_bytes):
         # One entry per device: a specialization's shared memory is fixed by its head dim and tiles.
         if device not in self._functions:
             from numba.cuda.cudadrv.driver import binding, driver
 
-            cufunc = self.cufunc()
+            cufunc = self._load_or_compile()
             if smem_bytes > STATIC_SMEM_LIMIT:
                 # Shared memory past 48 KiB must be requested per function and device (cudaFuncSetAttribute).
                 attribute = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES

@@ -2,7 +2,7 @@
 
 A warp's score tile sits in registers as the accumulator fragments of mma.sync (and of wgmma, which
 gives each warp of a warpgroup the same layout for its 16 rows): lane ``4 g + t`` holds, for each of
-its ``M`` m-tiles, rows ``g`` and ``g + 8`` (`mma_tiles.lane_row`) and in every 8-column chunk ``j`` the
+its ``M`` m-tiles, rows ``g`` and ``g + 8`` (`fragments.lane_row`) and in every 8-column chunk ``j`` the
 columns ``8 j + 2 t`` and ``+ 1``, so a row's scores are spread over the 4 lanes of a quad. Fragment
 row ``r`` (0 .. 2 M - 1) of a lane is m-tile ``r // 2``, half ``r % 2``; ``s[mi * NT + j, 2 half + e]``.
 
@@ -28,7 +28,7 @@ import numpy as np
 
 from .. import masks
 from .intrinsics import device_function, ex2, group_max, group_sum
-from .mma_tiles import lane_row
+from .fragments import lane_row
 
 ZERO, ONE, NEG_INF, LN2 = np.float32(0), np.float32(1), np.float32(-np.inf), np.float32(math.log(2.0))
 

@@ -37,7 +37,7 @@ Hopper (compute capability 9.0, sm_90a; `ptx_hopper`):
   ``wgmma_rs(n, storage)``: ``acc += A B`` with A from registers (per warp, the m16n8k16 A fragment of
   its 16 rows) and B (16 x n) MN-major in shared memory. ``acc`` is a thread's (n / 8, 4) float32
   fragment array (rows ``16 w + g``, ``+ 8``; columns ``8 j + 2 t``, ``+ 1``, as mma.sync's C);
-  descriptors are `wgmma_tiles.descriptor`s of the 128-byte swizzle. The emulation reads the operands
+  descriptors are `wgmma.tiles.descriptor`s of the 128-byte swizzle. The emulation reads the operands
   from ``smem`` (the array the descriptors point into) and completes at once.
 * ``wgmma_fence()``, ``wgmma_commit()``, ``wgmma_wait0()``, ``wgmma_wait1()`` (all but the newest
   group complete), and ``fence_proxy_async()``: shared memory written by the generic proxy (cp.async
@@ -46,6 +46,10 @@ Hopper (compute capability 9.0, sm_90a; `ptx_hopper`):
   arrivals complete a phase), ``mbarrier_arrive(smem, i)``, ``cp_async_mbarrier_arrive(smem, i)`` (one
   arrival once every earlier cp.async of the thread has landed: ``.noinc``), and
   ``mbarrier_try_wait(smem, i, parity)``: 1 once the phase of that parity has completed, else 0.
+* ``mbarrier_arrive_expect_tx(smem, i, nbytes)``: an arrival that also expects ``nbytes`` from the copy
+  engine before the phase completes; ``tma_load_4d(smem, dst, maps, which, c0, c1, c2, c3, barrier)``:
+  the bulk tensor copy of one box of map ``which`` of a `wgmma.tensor_maps` set (the simulator's
+  ``TENSOR_MAPS`` registry) into ``smem[dst ..]``, its bytes delivered to the mbarrier at ``smem[barrier]``.
 * ``setmaxnreg_inc(count)()`` / ``setmaxnreg_dec(count)()``: the warpgroup's registers per thread
   raised or lowered to ``count`` (on the simulator, nothing).
 """

@@ -135,20 +135,31 @@ def wgmma_rs(n, storage):
 
 
 class _Mbarrier:
-    """An mbarrier: ``count`` arrivals complete the current phase and start the next."""
+    """An mbarrier: ``count`` arrivals and every expected transaction byte complete the current phase and
+    start the next."""
 
     def __init__(self, count):
         self.count = self.pending = int(count)
+        self.tx = 0  # bytes expected and not yet delivered
         self.phase = 0
         self.cond = threading.Condition()
 
-    def arrive(self):
+    def arrive(self, expect_tx=0):
         with self.cond:
             self.pending -= 1
-            if self.pending == 0:
-                self.phase += 1
-                self.pending = self.count
-                self.cond.notify_all()
+            self.tx += expect_tx
+            self._complete()
+
+    def complete_tx(self, nbytes):
+        with self.cond:
+            self.tx -= nbytes
+            self._complete()
+
+    def _complete(self):
+        if self.pending == 0 and self.tx == 0:
+            self.phase += 1
+            self.pending = self.count
+            self.cond.notify_all()
 
 
 def _mbarriers():
@@ -189,3 +200,22 @@ def setmaxnreg_inc(count):
 
 def setmaxnreg_dec(count):
     return _no_op
+
+
+def mbarrier_arrive_expect_tx(smem, i, tx):
+    _mbarriers()[int(i)].arrive(int(tx))
+
+
+TENSOR_MAPS = {}  # key -> [(array (batch, seqlen, heads, headdim), box rows)], written by `wgmma.tensor_maps`
+
+
+def tma_load_4d(smem, dst, maps, which, c0, c1, c2, c3, barrier):
+    array, rows = TENSOR_MAPS[int(maps)][int(which)]
+    words = np.asarray(array).view(np.uint16)
+    r, col = np.ogrid[:rows, :64]
+    row, column = c2 + r, c0 + col
+    inside = (row < words.shape[1]) & (column < words.shape[3])
+    box = np.where(inside, words[c3, np.minimum(row, words.shape[1] - 1), c1, np.minimum(column, words.shape[3] - 1)], 0)
+    address = _swizzle(int(dst) * 2 + r * 128 + col * 2)  # the copy engine writes the 128-byte swizzle
+    np.asarray(smem)[address // 2] = box
+    _mbarriers()[int(barrier)].complete_tx(rows * 64 * 2)

@@ -175,3 +175,34 @@ def setmaxnreg_inc(count):
 @functools.lru_cache(maxsize=None)
 def setmaxnreg_dec(count):
     return _setmaxnreg("dec", count)
+
+
+mbarrier_arrive_expect_tx = _mbarrier_op_u32("mbarrier.arrive.expect_tx.shared::cta.b64 _, [$A], $X0;", None)
+TENSOR_MAPS = None  # the simulator's registry of map sets (`emulated_hopper`); on a GPU maps are in device memory
+
+
+@intrinsic
+def tma_load_4d(typingctx, smem, dst, maps, which, c0, c1, c2, c3, barrier):
+    """Copy the box of map ``which`` of the map set at ``maps`` whose first element is at coordinates (c0 head
+    dim, c1 head, c2 row, c3 batch) into ``smem[dst ..]`` (1024-byte aligned), completing its bytes on the
+    mbarrier at ``smem[barrier]``. The map set is read through a generic address, after a proxy fence."""
+    if not _is_shared_words(smem):
+        return None
+    i32 = types.int32
+    sig = types.void(smem, dst, types.int64, types.int64, i32, i32, i32, i32, barrier)
+
+    def codegen(context, builder, signature, args):
+        st = signature.args[0]
+        dst_address = _shared_address(context, builder, st, args[0], args[1], signature.args[1])
+        bar_address = _shared_address(context, builder, st, args[0], args[8], signature.args[8])
+        i64 = ir.IntType(64)
+        tmap = builder.add(args[2], builder.mul(args[3], ir.Constant(i64, 128)))
+        coords = [context.cast(builder, v, t, types.int32) for v, t in zip(args[4:8], signature.args[4:8])]
+        _asm(builder, [ir.IntType(32), i64] + [ir.IntType(32)] * 5, ir.VoidType(),
+             "fence.proxy.tensormap::generic.acquire.gpu [$1], 128; "
+             "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+             "[$0], [$1, {$2, $3, $4, $5}], [$6];", "r,l,r,r,r,r,r,~{memory}",
+             [dst_address, tmap] + coords + [bar_address], True)
+        return context.get_dummy_value()
+
+    return sig, codegen

@@ -4,7 +4,7 @@ One thread block of ``WARPGROUPS`` warpgroups per (query block, head, batch elem
 owns 64 query rows, so the online softmax needs no communication between warpgroups. Per key tile a
 warpgroup computes its 64 x BLOCK_N scores with wgmma reading Q and K straight from shared memory
 (no ldmatrix, no register copies of the operands), and adds P V with P from registers and V from
-shared memory. Tiles sit in the 128-byte swizzle (`wgmma_tiles`), staged with cp.async.
+shared memory. Tiles sit in the 128-byte swizzle (`wgmma.tiles`), staged with cp.async.
 
 The products of consecutive key tiles overlap with the softmax (FlashAttention-3's intra-warpgroup
 pipelining): iteration ``it`` issues ``S_it = Q K_it^T`` and then ``O += P_{it-1} V_{it-1}``, waits only
@@ -16,14 +16,13 @@ barrier per iteration both publishes the landed tiles and frees the stages the c
 import numpy as np
 from numba import cuda, types
 
-from .. import masks
-from .blocks import TENSOR_CORE_FORWARD, query_block, write_hidden_rows
-from .intrinsics import (cp_async_commit, device_function, cp_async_wait_all, fence_proxy_async, shared_address, wgmma_commit,
+from ... import masks
+from ..blocks import TENSOR_CORE_FORWARD, query_block, write_hidden_rows
+from ..intrinsics import (cp_async_commit, device_function, cp_async_wait_all, fence_proxy_async, shared_address, wgmma_commit,
                          wgmma_fence, wgmma_wait0, wgmma_wait1)
-from .mma_tiles import fragment_writer
-from .register_tiles import fill
-from .softmax import steps
-from .wgmma_tiles import ALIGN, ATOM, advance, aligned_base, descriptor, pack_p, products, stager
+from ..fragments import fill, fragment_writer
+from ..softmax import steps
+from .tiles import ALIGN, ATOM, advance, aligned_base, descriptor, pack_p, products, stager
 
 STAGES = 2  # K and V ring depth
 
@@ -112,7 +111,7 @@ def build(D, tiles, storage):
         acc = cuda.local.array((DT, 4), types.float32)  # O fragments: 64 x D per warpgroup
         s = cuda.local.array((NT, 4), types.float32)  # S, then P, fragments: 64 x BLOCK_N per warpgroup
         p = cuda.local.array((PS, 4), types.uint32)  # P rounded to 16 bits: the A operand of P V
-        # Row r of m_i, l_i is row `mma_tiles.lane_row(r, g)` of the warp's 16.
+        # Row r of m_i, l_i is row `fragments.lane_row(r, g)` of the warp's 16.
         m_i = cuda.local.array(2, types.float32)
         l_i = cuda.local.array(2, types.float32)
         alpha = cuda.local.array(2, types.float32)

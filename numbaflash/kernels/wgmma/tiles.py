@@ -18,7 +18,7 @@ staged alike, straight from global memory with cp.async, without a transpose and
 
 import numpy as np
 
-from .intrinsics import cp_async_16, device_function, pack_bf16, pack_f16, shared_address, wgmma_rs, wgmma_ss
+from ..intrinsics import cp_async_16, device_function, pack_bf16, pack_f16, shared_address, wgmma_rs, wgmma_ss
 
 ATOM = 64  # elements per row of a swizzle atom (128 bytes)
 ATOM_ROWS = 8  # rows per swizzle period (1024 bytes)

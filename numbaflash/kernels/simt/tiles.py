@@ -10,7 +10,8 @@ The helpers are factories: their sizes are compile-time constants, so once NVVM 
 kernels a patch is indexed by constants only and stays in registers.
 """
 
-from .intrinsics import device_function, load2, load4
+from ..fragments import fill
+from ..intrinsics import device_function, load2, load4
 
 
 @device_function
@@ -138,13 +139,6 @@ def patch_writer(TD, VV, COLS_T, from_acc):
                     dst[b, row, h, col] = from_acc(acc[a, g * VV + x] * scale)
 
     return device_function(write)
-
-
-@device_function
-def fill(acc, rows, cols, value):
-    for i in range(rows):
-        for j in range(cols):
-            acc[i, j] = value
 
 
 @device_function

@@ -24,9 +24,9 @@ passes in are indexed by constants only and stay in registers.
 
 from numba import types
 
-from .intrinsics import (cp_async_16, device_function, ldmatrix_x4, ldmatrix_x4_trans, mma_bf16, mma_f16, pack_bf16,
+from ..intrinsics import (cp_async_16, device_function, ldmatrix_x4, ldmatrix_x4_trans, mma_bf16, mma_f16, pack_bf16,
                          pack_f16)
-from .register_tiles import fill
+from ..fragments import fill
 
 
 def row_stride(D):
@@ -43,13 +43,6 @@ def lane_offsets(lane, ld):
     b = (lane % 8 + (lane // 16) * 8) * ld + ((lane // 8) % 2) * 8  # (n-tile 0 | 1) x (k 0-7 | 8-15)
     t = (lane % 8 + ((lane // 8) % 2) * 8) * ld + (lane // 16) * 8  # (k 0-7 | 8-15) x (n 0-7 | 8-15)
     return a, b, t
-
-
-@device_function
-def lane_row(r, g):
-    """The row, among a warp's 16 M, of a lane's fragment row ``r`` (0 .. 2 M - 1): rows ``g`` and ``g + 8`` of
-    each m-tile, as the accumulator layout of m16n8k16 places them (lane ``4 g + t``)."""
-    return 16 * (r // 2) + g + 8 * (r % 2)
 
 
 def stager(D, THREADS):
@@ -135,28 +128,3 @@ def products(N, D, storage, M=1):
                     mma_into(acc, mi * DT + 2 * dp + 1, a, mi, b2, b3)
 
     return scores, accumulate
-
-
-def fragment_writer(D, storage):
-    """``write(dst, b, row0, h, acc, mi, scale_g, scale_g8, g, t)``: m-tile ``mi``'s 16 x D fragments (rows
-    ``mi * D / 8 ..`` of ``acc``), rows ``g`` and ``g + 8`` times ``scale_g`` and ``scale_g8``, rounded to
-    16 bits, into rows ``row0 + g`` and ``row0 + g + 8`` of head ``h`` (rows past the sequence and
-    columns past the head dim are dropped). Each lane holds two adjacent columns per 8-column n-tile."""
-    DT = D // 8
-    pack = pack_f16 if storage == "float16" else pack_bf16
-
-    @device_function
-    def write(dst, b, row0, h, acc, mi, scale_g, scale_g8, g, t):
-        for half in range(2):
-            row = row0 + g + 8 * half
-            scale = scale_g8 if half else scale_g
-            if row < dst.shape[1]:
-                for j in range(DT):
-                    col = 8 * j + 2 * t
-                    word = pack(acc[mi * DT + j, 2 * half] * scale, acc[mi * DT + j, 2 * half + 1] * scale)
-                    if col < dst.shape[3]:
-                        dst[b, row, h, col] = types.uint16(word & 0xFFFF)
-                    if col + 1 < dst.shape[3]:
-                        dst[b, row, h, col + 1] = types.uint16(word >> 16)
-
-    return write

@@ -1,6 +1,6 @@
 """Kernel v2 backward: FlashAttention-2's gradients on the tensor cores (mma.sync m16n8k16), float16 and bfloat16.
 
-The schedule of the CUDA-core backward (`simt_backward`), deterministic, with no atomics: D =
+The schedule of the CUDA-core backward (`simt.backward`), deterministic, with no atomics: D =
 rowsum(dO * O) by its preprocess kernel (shared), then two tensor-core kernels.
 
 * ``dkdv``: one block per (key block, kv head, batch element); each warp owns ``m_tiles`` m-tiles of 16
@@ -8,7 +8,7 @@ rowsum(dO * O) by its preprocess kernel (shared), then two tensor-core kernels.
   double-buffered with cp.async, for every query head of the GQA group in a fixed order. Per tile a
   warp computes S^T = K Q^T, P^T = exp2(S^T scale log2(e) - LSE), dV += P^T dO, dP^T = V dO^T,
   dS^T = P^T (dP^T - D) and dK += dS^T Q, all in registers: P^T and dS^T are repacked as the A
-  operands of the next product (`mma_tiles`), and no score tile touches shared memory.
+  operands of the next product (`mma.tiles`), and no score tile touches shared memory.
 * ``dq``: one block per (query block, head, batch element); each warp owns ``m_tiles`` m-tiles of 16
   query rows, whose LSE and D sit in registers; K and V tiles stream past (double-buffered):
   S = Q K^T, dP = dO V^T, dS = P (dP - D), dQ += dS K.
@@ -24,12 +24,12 @@ import math
 
 from numba import cuda, types
 
-from .. import masks
-from .blocks import key_block, query_block
-from .intrinsics import cp_async_commit, cp_async_wait_all, cp_async_wait_one, device_function, ex2
-from .mma_tiles import fragment_writer, lane_offsets, lane_row, products, row_stride, stager
-from .register_tiles import fill
-from .simt_backward import row_statistics
+from ... import masks
+from ..blocks import key_block, query_block
+from ..intrinsics import cp_async_commit, cp_async_wait_all, cp_async_wait_one, device_function, ex2
+from ..fragments import fill, fragment_writer, lane_row
+from .tiles import lane_offsets, products, row_stride, stager
+from ..simt.backward import row_statistics
 
 MAX_HEADDIM = 128  # dK and dV fragments: 2 x D / 2 float32 registers per thread
 

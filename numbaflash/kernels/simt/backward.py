@@ -27,11 +27,12 @@ import numpy as np
 from numba import cuda, types
 from numba.cuda.np.numpy_support import from_dtype
 
-from .. import masks
-from . import elements
-from .blocks import key_block, query_block
-from .intrinsics import device_function, group_sum
-from .register_tiles import fill, in_parts, outer_product, patch_writer, stagers, vector_width
+from ... import masks
+from .. import elements
+from ..blocks import key_block, query_block
+from ..intrinsics import device_function, group_sum
+from ..fragments import fill
+from .tiles import in_parts, outer_product, patch_writer, stagers, vector_width
 
 PREPROCESS_ROWS = 8  # query rows per block of the preprocess kernel: one warp each
 LOG2E = math.log2(math.e)

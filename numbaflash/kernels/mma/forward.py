@@ -5,7 +5,7 @@ m-tiles of 16 query rows, so the online softmax needs no communication between w
 warp computes its 16 M_TILES x BLOCK_N scores S = Q K^T as mma fragments (float32 accumulators in
 registers), masks and exponentiates them in registers, repacks them as the 16-bit A operand of P V
 (the accumulator layout of two n-tiles is exactly the A layout of one k-step), and adds P V into its
-16 M_TILES x D output fragments (the two products are `mma_tiles`'s ``scores`` and ``accumulate``).
+16 M_TILES x D output fragments (the two products are `mma.tiles`'s ``scores`` and ``accumulate``).
 
 K and V tiles are double-buffered: while a tile is computed, the next one is in flight with cp.async
 (16 bytes per copy, straight to shared memory).
@@ -14,12 +14,12 @@ K and V tiles are double-buffered: while a tile is computed, the next one is in 
 import numpy as np
 from numba import cuda, types
 
-from .. import masks
-from .blocks import TENSOR_CORE_FORWARD, query_block, write_hidden_rows
-from .intrinsics import cp_async_commit, cp_async_wait_all, cp_async_wait_one
-from .mma_tiles import fragment_writer, lane_offsets, products, row_stride, stager
-from .register_tiles import fill
-from .softmax import steps
+from ... import masks
+from ..blocks import TENSOR_CORE_FORWARD, query_block, write_hidden_rows
+from ..intrinsics import cp_async_commit, cp_async_wait_all, cp_async_wait_one
+from ..fragments import fill, fragment_writer
+from .tiles import lane_offsets, products, row_stride, stager
+from ..softmax import steps
 
 
 def layout(D, tiles):
@@ -72,7 +72,7 @@ def build(D, tiles, storage):
         acc = cuda.local.array((M_DT, 4), types.float32)  # O fragments: ROWS x D per warp
         s = cuda.local.array((M_NT, 4), types.float32)  # S fragments: ROWS x BLOCK_N per warp
         frag = cuda.local.array((M, 4), types.uint32)  # A fragments of the warp's m-tiles (`products`)
-        # Row r of m_i, l_i is row `mma_tiles.lane_row(r, g)` of the warp's ROWS.
+        # Row r of m_i, l_i is row `fragments.lane_row(r, g)` of the warp's ROWS.
         m_i = cuda.local.array(M_ROWS, types.float32)
         l_i = cuda.local.array(M_ROWS, types.float32)
         alpha = cuda.local.array(M_ROWS, types.float32)

@@ -1,6 +1,6 @@
-"""Kernel v4: the wgmma forward with a producer warpgroup (FlashAttention-3's warp specialization).
+"""Kernels v4 and v5: the wgmma forward with a producer warpgroup (FlashAttention-3's warp specialization).
 
-v3 (`wgmma_forward`) makes every thread both copy tiles and compute, with a barrier of the whole block
+v3 (`wgmma.forward`) makes every thread both copy tiles and compute, with a barrier of the whole block
 per key tile. Here warpgroup 0 only copies: Q once, then K and V tile by tile into two-stage rings,
 each 16-byte cp.async landing on an mbarrier (``cp.async.mbarrier.arrive.noinc``). The ``CONSUMERS``
 warpgroups after it only compute, 64 query rows each, exactly as v3's warpgroups do (S of the next
@@ -14,21 +14,27 @@ headdim 64 (128 x 128) and 0.61-0.67x at 128 (128 x 96), below v3's 0.68-0.90x, 
 The producer's four warps issue every 16-byte copy of a tile (12 to 16 each per tile and operand), and
 that issue rate, not the tensor cores, bounds it; the copy engine's bulk tensor copies (TMA), one
 instruction per tile, are what this structure is for. Selected with ``WgmmaTiles(..., producer=True)``.
+
+v5 (``tma=True``) is that: one producer thread issues each tile as bulk tensor copies (one per 64-column
+swizzle atom) through `tensor_maps`, delivered to the "full" mbarriers by byte count (expect-tx). At
+headdim 64 (128 x 128) it ran 0.95-1.11x SDPA flash, against v3's 0.73-0.88x, and the plans run it
+there; at headdim 128 its largest spill-free tile (128 x 96) ran 0.70-0.82x, below v3 (`tiling`).
 """
 
 import numpy as np
 from numba import cuda, types
 
-from .. import masks
-from .blocks import TENSOR_CORE_FORWARD, query_block, write_hidden_rows
-from .intrinsics import (cp_async_mbarrier_arrive, cp_async_wait_all, device_function, fence_proxy_async,
-                         mbarrier_arrive, mbarrier_init, mbarrier_try_wait, setmaxnreg_dec, setmaxnreg_inc,
-                         shared_address, wgmma_commit, wgmma_fence, wgmma_wait0, wgmma_wait1)
-from .mma_tiles import fragment_writer
-from .register_tiles import fill
-from .softmax import steps
-from .wgmma_forward import STAGES, layout
-from .wgmma_tiles import ALIGN, ATOM, advance, aligned_base, descriptor, pack_p, products, stager
+from ... import masks
+from ..blocks import TENSOR_CORE_FORWARD, query_block, write_hidden_rows
+from ..intrinsics import (cp_async_mbarrier_arrive, cp_async_wait_all, device_function, fence_proxy_async,
+                         mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_try_wait, setmaxnreg_dec,
+                         setmaxnreg_inc, shared_address, tma_load_4d, wgmma_commit, wgmma_fence, wgmma_wait0,
+                         wgmma_wait1)
+from ..fragments import fill, fragment_writer
+from ..softmax import steps
+from . import tensor_maps
+from .forward import STAGES, layout
+from .tiles import ALIGN, ATOM, advance, aligned_base, descriptor, pack_p, products, stager
 
 PRODUCER = 128  # threads of the producer warpgroup
 BARRIERS = 1 + 4 * STAGES  # Q full; K full, V full, K empty, V empty per stage
@@ -36,6 +42,13 @@ BARRIER_ELEMENTS = 4  # 16-bit elements per 8-byte mbarrier
 # Registers per thread after setmaxnreg, by consumer warpgroups: the block starts with 65536 / threads
 # (168 at 384 threads, 128 at 512) and the producer's cut pays for the consumers' raise.
 REGISTERS = {1: (56, 256), 2: (56, 224), 3: (56, 152)}
+
+
+def tensor_map_args(q, k, v, tiles):
+    """The kernel's last argument: the address of the Q, K and V tensor maps with ``tiles.tma``, else 0."""
+    if not tiles.tma:
+        return 0
+    return tensor_maps.maps([(q, tiles.block_m), (k, tiles.block_n), (v, tiles.block_n)])
 
 
 def smem_bytes(D, tiles):
@@ -52,6 +65,8 @@ def build(D, tiles, storage):
     Q_FULL, K_FULL, V_FULL = BAR_AT, BAR_AT + BARRIER_ELEMENTS, BAR_AT + (1 + STAGES) * BARRIER_ELEMENTS
     K_EMPTY, V_EMPTY = BAR_AT + (1 + 2 * STAGES) * BARRIER_ELEMENTS, BAR_AT + (1 + 3 * STAGES) * BARRIER_ELEMENTS
     TILE_N = BLOCK_N * D  # elements of one K or V stage
+    TMA, ATOMS = tiles.tma, D // ATOM
+    FULL_ARRIVALS = 1 if TMA else PRODUCER  # one thread issues the bulk copies; every copier arrives otherwise
     stage_q, stage_kv = stager(D, BLOCK_M, PRODUCER), stager(D, BLOCK_N, PRODUCER)
     scores, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage)
     pack = pack_p(BLOCK_N, storage)
@@ -75,6 +90,27 @@ def build(D, tiles, storage):
             cp_async_mbarrier_arrive(smem, barrier)
         else:
             mbarrier_arrive(smem, barrier)
+
+    @device_function
+    def copy_tile(smem, dst, full, maps, which, head, row, b, rows):
+        # One box per swizzle atom of the head dim, all delivered to the `full` mbarrier.
+        mbarrier_arrive_expect_tx(smem, full, ATOMS * rows * ATOM * 2)
+        for a in range(ATOMS):
+            tma_load_4d(smem, dst + a * rows * ATOM, maps, which, a * ATOM, head, row, b, full)
+
+    @device_function
+    def produce_tma(smem, base, maps, b, h, hk, row_start, n_first, ntiles, tid):
+        if tid == 0:
+            copy_tile(smem, base + Q_AT, base + Q_FULL, maps, 0, h, row_start, b, BLOCK_M)
+            for it in range(ntiles):
+                s, parity = it % STAGES, ((it // STAGES) & 1) ^ 1  # the first round finds every stage empty
+                n_start = n_first + it * BLOCK_N
+                wait(smem, base + K_EMPTY + s * BARRIER_ELEMENTS, parity)
+                copy_tile(smem, base + K_AT + s * TILE_N, base + K_FULL + s * BARRIER_ELEMENTS, maps, 1, hk, n_start, b,
+                          BLOCK_N)
+                wait(smem, base + V_EMPTY + s * BARRIER_ELEMENTS, parity)
+                copy_tile(smem, base + V_AT + s * TILE_N, base + V_FULL + s * BARRIER_ELEMENTS, maps, 2, hk, n_start, b,
+                          BLOCK_N)
 
     @device_function
     def produce(smem, base, q, k, v, b, h, hk, row_start, n_first, ntiles, tid, vec):
@@ -108,7 +144,7 @@ def build(D, tiles, storage):
             mask(s, warp_row, g, t, n_start, seqlen_q, seqlen_k, left, right)
         online_softmax(s, m_i, l_i, alpha, scale_log2)
 
-    def attention_forward_wgmma_ws(q, k, v, out, lse, scale_log2, left, right, vec):
+    def attention_forward_wgmma_ws(q, k, v, out, lse, scale_log2, left, right, vec, maps):
         # q, out: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v: (batch, seqlen_k, nheads_kv, headdim)
         # lse: (batch, nheads, seqlen_q)
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
@@ -123,17 +159,20 @@ def build(D, tiles, storage):
         n_first = (lo // BLOCK_N) * BLOCK_N
         ntiles = (hi - n_first + BLOCK_N - 1) // BLOCK_N
         if tid == 0:
-            mbarrier_init(smem, base + Q_FULL, PRODUCER)
+            mbarrier_init(smem, base + Q_FULL, FULL_ARRIVALS)
             for s in range(STAGES):
-                mbarrier_init(smem, base + K_FULL + s * BARRIER_ELEMENTS, PRODUCER)
-                mbarrier_init(smem, base + V_FULL + s * BARRIER_ELEMENTS, PRODUCER)
+                mbarrier_init(smem, base + K_FULL + s * BARRIER_ELEMENTS, FULL_ARRIVALS)
+                mbarrier_init(smem, base + V_FULL + s * BARRIER_ELEMENTS, FULL_ARRIVALS)
                 mbarrier_init(smem, base + K_EMPTY + s * BARRIER_ELEMENTS, THREADS - PRODUCER)
                 mbarrier_init(smem, base + V_EMPTY + s * BARRIER_ELEMENTS, THREADS - PRODUCER)
         cuda.syncthreads()
 
         if tid < PRODUCER:
             release_registers()
-            produce(smem, base, q, k, v, b, h, hk, row_start, n_first, ntiles, tid, vec)
+            if TMA:
+                produce_tma(smem, base, maps, b, h, hk, row_start, n_first, ntiles, tid)
+            else:
+                produce(smem, base, q, k, v, b, h, hk, row_start, n_first, ntiles, tid, vec)
         else:
             take_registers()
             ctid = tid - PRODUCER
@@ -147,7 +186,7 @@ def build(D, tiles, storage):
             acc = cuda.local.array((DT, 4), types.float32)  # O fragments: 64 x D per warpgroup
             s = cuda.local.array((NT, 4), types.float32)  # S, then P, fragments: 64 x BLOCK_N per warpgroup
             p = cuda.local.array((PS, 4), types.uint32)  # P rounded to 16 bits: the A operand of P V
-            # Row r of m_i, l_i is row `mma_tiles.lane_row(r, g)` of the warp's 16.
+            # Row r of m_i, l_i is row `fragments.lane_row(r, g)` of the warp's 16.
             m_i = cuda.local.array(2, types.float32)
             l_i = cuda.local.array(2, types.float32)
             alpha = cuda.local.array(2, types.float32)
@@ -202,4 +241,4 @@ def build(D, tiles, storage):
             write_out(out, b, warp_row, h, acc, 0, inv[0], inv[1], g, t)
             write_lse(lse, b, h, warp_row, g, t, m_i, l_i, scale_log2)
 
-    return attention_forward_wgmma_ws, TENSOR_CORE_FORWARD
+    return attention_forward_wgmma_ws, TENSOR_CORE_FORWARD + (types.int64,)

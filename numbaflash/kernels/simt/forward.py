@@ -18,11 +18,12 @@ import numpy as np
 from numba import cuda, types
 from numba.cuda.np.numpy_support import from_dtype
 
-from .. import masks
-from . import elements
-from .blocks import query_block, write_hidden_rows
-from .intrinsics import group_max, group_sum
-from .register_tiles import fill, in_parts, outer_product, patch_writer, stagers, vector_width
+from ... import masks
+from .. import elements
+from ..blocks import query_block, write_hidden_rows
+from ..intrinsics import group_max, group_sum
+from ..fragments import fill
+from .tiles import in_parts, outer_product, patch_writer, stagers, vector_width
 
 
 def layout(D, tiles):

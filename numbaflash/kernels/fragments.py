@@ -1,0 +1,49 @@
+"""Register fragments every kernel family shares: filling them, and the tensor cores' accumulator layout.
+
+mma.sync m16n8k16 and wgmma m64nNk16 lay a warp's accumulators out alike: lane ``4 g + t`` holds rows
+``g`` and ``g + 8`` of each 16-row m-tile and, in every 8-column chunk ``j``, columns ``8 j + 2 t`` and
+``+ 1`` (``acc[mi * N / 8 + j, 2 half + e]``). `lane_row` and `fragment_writer` serve both families.
+"""
+
+from numba import types
+
+from .intrinsics import device_function, pack_bf16, pack_f16
+
+
+@device_function
+def fill(acc, rows, cols, value):
+    for i in range(rows):
+        for j in range(cols):
+            acc[i, j] = value
+
+
+@device_function
+def lane_row(r, g):
+    """The row, among a warp's 16 M, of a lane's fragment row ``r`` (0 .. 2 M - 1): rows ``g`` and ``g + 8`` of
+    each m-tile, as the accumulator layout of m16n8k16 places them (lane ``4 g + t``)."""
+    return 16 * (r // 2) + g + 8 * (r % 2)
+
+
+def fragment_writer(D, storage):
+    """``write(dst, b, row0, h, acc, mi, scale_g, scale_g8, g, t)``: m-tile ``mi``'s 16 x D fragments (rows
+    ``mi * D / 8 ..`` of ``acc``), rows ``g`` and ``g + 8`` times ``scale_g`` and ``scale_g8``, rounded to
+    16 bits, into rows ``row0 + g`` and ``row0 + g + 8`` of head ``h`` (rows past the sequence and
+    columns past the head dim are dropped). Each lane holds two adjacent columns per 8-column n-tile."""
+    DT = D // 8
+    pack = pack_f16 if storage == "float16" else pack_bf16
+
+    @device_function
+    def write(dst, b, row0, h, acc, mi, scale_g, scale_g8, g, t):
+        for half in range(2):
+            row = row0 + g + 8 * half
+            scale = scale_g8 if half else scale_g
+            if row < dst.shape[1]:
+                for j in range(DT):
+                    col = 8 * j + 2 * t
+                    word = pack(acc[mi * DT + j, 2 * half] * scale, acc[mi * DT + j, 2 * half + 1] * scale)
+                    if col < dst.shape[3]:
+                        dst[b, row, h, col] = types.uint16(word & 0xFFFF)
+                    if col + 1 < dst.shape[3]:
+                        dst[b, row, h, col + 1] = types.uint16(word >> 16)
+
+    return write
