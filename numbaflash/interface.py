@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _arrays, masks, tiling
+from . import _arrays, arguments, masks, tiling
 from .kernels import compiled
 from .kernels.mma import backward as mma_backward, forward as mma_forward
 from .kernels.simt import backward as simt_backward, forward as simt_forward
@@ -44,21 +44,6 @@ class Call:
     @property
     def lse_dtype(self):
         return tiling.accumulator(self.dtype)
-
-
-def _check_flag(value, name):
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
-
-
-def _check_window(window_size):
-    ok = (isinstance(window_size, (tuple, list)) and len(window_size) == 2
-          and all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) for w in window_size))
-    if not ok:
-        raise ValueError(f"window_size must be a pair of ints (left, right), -1 for unbounded; got {window_size!r}")
-    if min(window_size) < -1:
-        raise ValueError(f"window_size entries must be >= 0, or -1 for unbounded; got {tuple(window_size)}")
-    return int(window_size[0]), int(window_size[1])
 
 
 def _check_scale(softmax_scale, headdim):
@@ -111,8 +96,8 @@ def inspect(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), nam
         raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_kv ({nheads_kv}) for grouped-query attention")
     if not 1 <= headdim <= MAX_HEADDIM:
         raise ValueError(f"headdim must be between 1 and {MAX_HEADDIM}; got {headdim}")
-    _check_flag(causal, "causal")
-    left, right = masks.normalize_window(causal, _check_window(window_size))
+    arguments.flag(causal, "causal")
+    left, right = masks.normalize_window(causal, arguments.window(window_size))
     scale = _check_scale(softmax_scale, headdim)
     return Call(*ops, batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, dtypes[0], scale, left, right, single_head)
 
@@ -124,6 +109,9 @@ def _plan_for(call, backward, device=None):
 
 
 def _check_plan(plan, call, direction):
+    if not isinstance(plan, tiling.Plan):
+        raise TypeError(f"plan must be None or what numbaflash.plan(...) returns (a numbaflash.tiling.Plan); "
+                        f"got {type(plan).__name__}")
     expected = (direction, call.dtype, call.batch, call.nheads, call.nheads_kv, call.seqlen_q, call.seqlen_k, call.headdim)
     got = (plan.direction, plan.dtype, plan.batch, plan.nheads, plan.nheads_kv, plan.seqlen_q, plan.seqlen_k, plan.headdim)
     if got != expected:
@@ -146,6 +134,9 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), bac
     ``device`` (a `tiling.Device`) plans for another GPU than the current one.
     """
     call = inspect(q, k, v, causal, softmax_scale, window_size)
+    arguments.flag(backward, "backward")
+    if device is not None and not isinstance(device, tiling.Device):
+        raise TypeError(f"device must be None (the current GPU) or a numbaflash.tiling.Device; got {type(device).__name__}")
     with _device_context(call):
         return _plan_for(call, backward, device)
 
@@ -171,7 +162,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         lse = -inf. Outputs are arrays of q's library (CuPy, torch, NumPy on the simulator) on q's
         device, computed on that library's current stream.
     """
-    _check_flag(return_lse, "return_lse")
+    arguments.flag(return_lse, "return_lse")
     call = inspect(q, k, v, causal, softmax_scale, window_size)
     with _device_context(call):
         plan = _check_plan(plan, call, "forward") if plan is not None else _plan_for(call, backward=False)
@@ -273,8 +264,12 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     """
     call = inspect(q, k, v, causal, softmax_scale, window_size)
     if call.single_head:
+        for x, name, ndim in ((dout, "dout", 2), (out, "out", 2), (lse, "lse", 1)):
+            if len(getattr(x, "shape", ())) != ndim:
+                raise ValueError(f"{name} must be {ndim}-D in a 2-D (seqlen, headdim) call, as attention returns it; "
+                                 f"got shape {tuple(getattr(x, 'shape', ()))}")
         ops = [_arrays.single_head_view(_arrays.describe(x, n), n) for x, n in ((dout, "dout"), (out, "out"))]
-        lse_op = _arrays.describe(lse[None, None, :] if len(getattr(lse, "shape", ())) == 1 else lse, "lse")
+        lse_op = _arrays.describe(lse[None, None, :], "lse")
     else:
         ops = [_arrays.describe(x, n) for x, n in ((dout, "dout"), (out, "out"))]
         lse_op = _arrays.describe(lse, "lse")
@@ -302,6 +297,7 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     import sim
 
     call = inspect(q, k, v, causal, softmax_scale, window_size)
+    arguments.flag(backward, "backward")
     with _device_context(call):
         the_plan = _plan_for(call, backward)
     sizes = dict(seqlen_k=call.seqlen_k, batch=call.batch, nheads=call.nheads, nheads_kv=call.nheads_kv,

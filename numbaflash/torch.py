@@ -12,7 +12,7 @@ module is tested without a GPU.
 import numpy as np
 import torch
 
-from . import interface
+from . import arguments, interface
 from .kernels.intrinsics import SIMULATOR
 
 
@@ -64,4 +64,8 @@ def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1)):
     q ``(batch, seqlen_q, nheads, headdim)``, k and v ``(batch, seqlen_k, nheads_kv, headdim)``; returns
     out shaped like q. Gradients flow to q, k and v.
     """
-    return Attention.apply(q, k, v, causal, softmax_scale, tuple(window_size))
+    for x, name in ((q, "q"), (k, "k"), (v, "v")):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"numbaflash.torch.attention takes torch tensors; {name} is a {type(x).__module__}."
+                            f"{type(x).__name__} (use numbaflash.attention for CuPy or NumPy arrays)")
+    return Attention.apply(q, k, v, causal, softmax_scale, arguments.window(window_size))

@@ -33,17 +33,36 @@ class Progress:
         sys.stderr.flush()
 
 
+def _bounded(kind, low, what):
+    """An argparse type: ``kind`` (int or float) of at least ``low``; a bad value is a usage error."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not value >= low:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
+
+    return parse
+
+
+POSITIVE_INT = _bounded(int, 1, "an integer >= 1")
+
+
 def _parse(argv):
     parser = argparse.ArgumentParser(prog="python -m sim", description=__doc__.split("\n")[0])
-    parser.add_argument("--seqlen", type=int, nargs="+", default=[8192], help="N values (queries = keys)")
-    parser.add_argument("--headdim", type=int, nargs="+", default=[128], help="d values")
-    parser.add_argument("--sram-kib", type=float, nargs="+", default=[192], help="SRAM sizes M in KiB")
-    parser.add_argument("--dtype-bytes", type=int, default=2, help="bytes per element (2: fp16/bf16)")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--nheads", type=int, default=1)
+    parser.add_argument("--seqlen", type=POSITIVE_INT, nargs="+", default=[8192], help="N values (queries = keys)")
+    parser.add_argument("--headdim", type=POSITIVE_INT, nargs="+", default=[128], help="d values")
+    parser.add_argument("--sram-kib", type=_bounded(float, 1 / 1024, "a size of at least 1/1024 KiB"), nargs="+",
+                        default=[192], help="SRAM sizes M in KiB")
+    parser.add_argument("--dtype-bytes", type=POSITIVE_INT, default=2, help="bytes per element (2: fp16/bf16)")
+    parser.add_argument("--batch", type=POSITIVE_INT, default=1)
+    parser.add_argument("--nheads", type=POSITIVE_INT, default=1)
     parser.add_argument("--causal", action="store_true")
-    parser.add_argument("--window", type=int, nargs=2, default=(-1, -1), metavar=("LEFT", "RIGHT"))
-    parser.add_argument("--verify-up-to", type=int, default=2048,
+    parser.add_argument("--window", type=_bounded(int, -1, "an integer >= -1 (-1: unbounded)"), nargs=2,
+                        default=(-1, -1), metavar=("LEFT", "RIGHT"))
+    parser.add_argument("--verify-up-to", type=_bounded(int, 0, "an integer >= 0"), default=2048,
                         help="check results against the float64 reference for N up to this (larger N: counts only)")
     parser.add_argument("--out", default="reports", help="folder for the figures")
     parser.add_argument("--no-figures", action="store_true")
@@ -71,7 +90,8 @@ def _tables(args):
                 print(f"\n{alg} {'backward' if bwd else 'forward'}: {err}", file=sys.stderr)
             progress.step(f"{alg} {'bwd' if bwd else 'fwd'}")
         if not reports:
-            continue
+            raise ValueError(f"nothing could be counted at N={n} d={d} M={kib:g} KiB: every schedule overflows "
+                             "that SRAM (see above); give a larger --sram-kib")
         verified = "verified against the float64 reference" if n <= args.verify_up_to else "counted only"
         print(f"\n{describe(reports[0])}  [{verified}]")
         print(table(reports))
@@ -117,9 +137,13 @@ def _figures(args):
 
 def main(argv=None):
     args = _parse(argv)
-    _tables(args)
-    if not args.no_figures:
-        _figures(args)
+    try:
+        _tables(args)
+        if not args.no_figures:
+            _figures(args)
+    except (ValueError, TypeError) as err:  # a combination of arguments no schedule can run: say so, no traceback
+        print(f"python -m sim: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -8,13 +8,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from numbaflash import reference
+from numbaflash import arguments, reference
 from numbaflash.masks import normalize_window
+from numbaflash.tiling import Plan
 
 from . import blocks as block_rules
 from . import formulas
 from .algorithms import common, flash1, flash2, standard
-from .hierarchy import Hierarchy
+from .hierarchy import Hierarchy, SramOverflow
 from .problem import Problem
 
 ALGORITHMS = ("standard", "flash1", "flash2")
@@ -130,35 +131,50 @@ def _verify(h, hbm_in, algorithm, backward, ctx_args):
 
 
 def _resolve(seqlen, headdim, sram_bytes, algorithm, seqlen_k, batch, nheads, nheads_kv, causal, window_size,
-             backward, dtype_bytes, block_sizes, dq, plan):
-    """Validate the arguments shared by `count_io` and `predict_io`; the problem, M and the blocks."""
+             backward, dtype_bytes, block_sizes, dq, plan, check_fit=False):
+    """Validate the arguments shared by `count_io` and `predict_io`; the problem, M and the blocks.
+
+    ``check_fit``: refuse given blocks that do not fit M, as running the schedule would (`predict_io`
+    runs nothing; `count_io`'s own overflow names the tiles)."""
     if plan is not None:
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be None or a numbaflash.plan(...) result; got {type(plan).__name__}")
         algorithm, block_sizes, dq = "flash2", (plan.block_m, plan.block_n), plan.dq_strategy
         sram_bytes = plan.sram_bytes if sram_bytes is None else sram_bytes
         dtype_bytes = plan.dtype_bytes
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-    if dq not in DQ_MODES:
-        raise ValueError(f"dq must be one of {DQ_MODES}, got {dq!r}")
+    arguments.choice(algorithm, "algorithm", ALGORITHMS)
+    arguments.choice(dq, "dq", DQ_MODES)
     seqlen_k = seqlen if seqlen_k is None else seqlen_k
     nheads_kv = nheads if nheads_kv is None else nheads_kv
     for name, value in (("seqlen", seqlen), ("seqlen_k", seqlen_k), ("headdim", headdim), ("batch", batch),
                         ("nheads", nheads), ("nheads_kv", nheads_kv), ("dtype_bytes", dtype_bytes)):
-        if int(value) != value or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        arguments.positive_int(value, name)
     if nheads % nheads_kv:
         raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_kv ({nheads_kv})")
-    if sram_bytes is None or sram_bytes < dtype_bytes:
+    if sram_bytes is None:
+        raise ValueError("sram_bytes is required (or plan=, whose SRAM is used)")
+    arguments.positive_int(sram_bytes, "sram_bytes")
+    if sram_bytes < dtype_bytes:
         raise ValueError(f"sram_bytes must hold at least one element of {dtype_bytes} bytes, got {sram_bytes!r}")
-    left, right = normalize_window(causal, window_size)
+    arguments.flag(causal, "causal")
+    arguments.flag(backward, "backward")
+    left, right = normalize_window(causal, arguments.window(window_size))
     p = Problem(seqlen, seqlen_k, headdim, batch, nheads, nheads_kv, left, right)
     M = sram_bytes // dtype_bytes
     if block_sizes is None:
         blocks = block_rules.derive(algorithm, M, headdim, seqlen, seqlen_k, backward, dq)
     else:
-        blocks = block_rules.Blocks(*(int(b) for b in block_sizes))
-        if min(blocks.rows, blocks.cols) < 1:
-            raise ValueError(f"block_sizes must be positive, got {block_sizes!r}")
+        if not (isinstance(block_sizes, (tuple, list)) and len(block_sizes) == 2):
+            raise ValueError(f"block_sizes must be a pair (B_r, B_c) of integers >= 1, got {block_sizes!r}")
+        blocks = block_rules.Blocks(*(arguments.positive_int(b, "block_sizes entries") for b in block_sizes))
+    if block_sizes is not None and check_fit:
+        # The schedules allocate exactly their footprint, so this is where `count_io` would overflow.
+        need = block_rules.footprint(algorithm, backward, headdim, blocks.rows, blocks.cols, dq)
+        if algorithm == "standard":
+            need = max(need, (2 if backward else 1) * seqlen_k)  # whole rows of S (and dP) for the softmax
+        if need > M:
+            raise SramOverflow(f"{algorithm}: blocks {blocks.rows} x {blocks.cols} need {need} elements of SRAM at "
+                               f"headdim {headdim}; M = {M}")
     return algorithm, p, M, blocks, dq, dtype_bytes
 
 
@@ -172,7 +188,7 @@ def predict_io(seqlen, headdim, *, sram_bytes=None, algorithm="flash2", seqlen_k
     """
     algorithm, p, M, blocks, dq, dtype_bytes = _resolve(
         seqlen, headdim, sram_bytes, algorithm, seqlen_k, batch, nheads, nheads_kv, causal, window_size,
-        backward, dtype_bytes, block_sizes, dq, plan)
+        backward, dtype_bytes, block_sizes, dq, plan, check_fit=True)
     prediction = formulas.predicted(algorithm, backward, p, blocks, dq)
     return {**prediction, "total_bytes": prediction["total"] * dtype_bytes, "blocks": blocks}
 
@@ -203,6 +219,7 @@ def count_io(seqlen, headdim, *, sram_bytes=None, algorithm="flash2", seqlen_k=N
     algorithm, p, M, blocks, dq, dtype_bytes = _resolve(
         seqlen, headdim, sram_bytes, algorithm, seqlen_k, batch, nheads, nheads_kv, causal, window_size,
         backward, dtype_bytes, block_sizes, dq, plan)
+    arguments.flag(compute, "compute")
     seqlen_k = p.seqlen_k
     ctx_args = dict(causal=causal, softmax_scale=1.0 / np.sqrt(headdim), window_size=window_size)
     if compute:

@@ -134,3 +134,48 @@ def test_standard_uncharged_rereads_are_reported():
     # K is re-read for every query block after the first: (T_r - 1) * N * d elements served on chip.
     assert report.uncharged["K"] == (cdiv(128, rows) - 1) * 128 * 16
     assert np.isclose(report.asymptotic["ratio"], 1.0)
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(causal="no"), TypeError, "causal must be True or False"),
+    (dict(backward="yes"), TypeError, "backward must be True or False"),
+    (dict(window_size=(-2, 0)), ValueError, "entries must be >= 0, or -1"),
+    (dict(window_size=5), ValueError, "window_size must be a pair of ints"),
+    (dict(seqlen_k=64.0), TypeError, "seqlen_k must be an integer >= 1"),
+    (dict(batch=0), ValueError, "batch must be an integer >= 1"),
+    (dict(sram_bytes=4096.5), TypeError, "sram_bytes must be an integer >= 1"),
+    (dict(block_sizes=(16,)), ValueError, "block_sizes must be a pair"),
+    (dict(block_sizes=(16, 0)), ValueError, "block_sizes entries must be an integer >= 1"),
+    (dict(dq="both"), ValueError, "dq must be one of"),
+    (dict(plan="fast"), TypeError, "plan must be None or a numbaflash.plan"),
+])
+@pytest.mark.parametrize("function", ["count_io", "predict_io"])
+def test_count_and_predict_refuse_the_same_bad_arguments(function, kwargs, error, message):
+    args = dict(sram_bytes=4096)
+    args.update(kwargs)
+    with pytest.raises(error, match=message):
+        getattr(sim, function)(64, 16, **args)
+
+
+def test_compute_must_be_a_boolean():
+    with pytest.raises(TypeError, match="compute must be True or False"):
+        sim.count_io(64, 16, sram_bytes=4096, compute=1)
+
+
+@pytest.mark.parametrize("algorithm,backward", [("flash2", False), ("flash2", True), ("flash1", False), ("standard", False)])
+def test_predict_refuses_the_blocks_count_refuses(algorithm, backward):
+    """predict_io overflows exactly where running the schedule would (`blocks.footprint` is exact)."""
+    for br, bc in [(8, 8), (16, 32), (32, 16), (48, 48), (64, 64)]:
+        kw = dict(sram_bytes=2 * 3000, algorithm=algorithm, backward=backward, block_sizes=(br, bc), compute=False)
+        try:
+            sim.count_io(96, 16, **kw)
+            counted = True
+        except sim.SramOverflow:
+            counted = False
+        kw.pop("compute")
+        try:
+            sim.predict_io(96, 16, **kw)
+            predicted = True
+        except sim.SramOverflow:
+            predicted = False
+        assert counted == predicted, (br, bc)

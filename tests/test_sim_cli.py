@@ -15,3 +15,16 @@ def test_report_table_and_figures(tmp_path, capsys):
     assert "verified against the float64 reference" in out
     for figure in ("traffic_vs_seqlen.png", "traffic_vs_sram.png", "tile_heatmap.png"):
         assert (tmp_path / figure).stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--seqlen", "0"], "'0' is not an integer >= 1"),
+    (["--headdim", "1.5"], "'1.5' is not an integer >= 1"),
+    (["--window", "-5", "0"], "'-5' is not an integer >= -1"),
+    (["--sram-kib", "0"], "is not a size of at least"),
+    (["--seqlen", "64", "--headdim", "16", "--sram-kib", "0.01", "--no-figures"], "nothing could be counted"),
+])
+def test_bad_values_exit_2_with_the_reason(argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2 and message in capsys.readouterr().err

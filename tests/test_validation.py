@@ -117,3 +117,38 @@ def test_plan_made_for_another_call():
     other = numbaflash.plan(*qkv(q_shape=(1, 9, 2, 16)))
     with pytest.raises(ValueError, match="plan was made for"):
         numbaflash.attention(q, k, v, plan=other)
+
+
+def test_a_plan_must_be_a_plan():
+    with pytest.raises(TypeError, match="plan must be None or what numbaflash.plan"):
+        numbaflash.attention(*qkv(), plan="fast")
+    with pytest.raises(TypeError, match="device must be None"):
+        numbaflash.plan(*qkv(), device="H100")
+
+
+@pytest.mark.parametrize("call", [
+    lambda q, k, v: numbaflash.explain(q, k, v, backward="yes"),
+    lambda q, k, v: numbaflash.plan(q, k, v, backward=1),
+])
+def test_backward_must_be_a_boolean(call):
+    with pytest.raises(TypeError, match="backward must be True or False"):
+        call(*qkv())
+
+
+def test_a_two_dimensional_backward_takes_two_dimensional_gradients():
+    q, k, v = (x[0, :, 0] for x in qkv())
+    out, lse = numbaflash.attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match=r"dout must be 2-D in a 2-D \(seqlen, headdim\) call"):
+        numbaflash.attention_backward(np.ones(16, np.float32), q, k, v, out, lse)
+    with pytest.raises(ValueError, match="lse must be 1-D"):
+        numbaflash.attention_backward(np.ones_like(out), q, k, v, out, lse[None])
+    with pytest.raises(ValueError, match="window_size must be a pair of ints"):
+        numbaflash.attention(q, k, v, window_size=5)
+
+
+def test_the_torch_function_takes_torch_tensors():
+    pytest.importorskip("torch")
+    import numbaflash.torch
+
+    with pytest.raises(TypeError, match="takes torch tensors; q is a numpy.ndarray"):
+        numbaflash.torch.attention(*qkv())
