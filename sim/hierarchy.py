@@ -98,12 +98,11 @@ class Hierarchy:
 
     def _shape_of(self, tensor, index):
         """The shape of ``tensor[index]`` for an index of ints and unit-step slices, without the data."""
-        shape = []
-        for ix, dim in zip(index, self.shapes[tensor]):
-            if isinstance(ix, slice):
-                start, stop, _ = ix.indices(dim)
-                shape.append(max(0, stop - start))
-        return tuple(shape) + tuple(self.shapes[tensor][len(index):])
+        dims = self.shapes[tensor]
+        # The schedules index with ints and slices of non-negative bounds (the hot path of a count).
+        shape = tuple(max(0, (dim if ix.stop is None else min(ix.stop, dim)) - (ix.start or 0))
+                      for ix, dim in zip(index, dims) if ix.__class__ is slice)
+        return shape + dims[len(index):]
 
     def _admit(self, tile):
         if self.used + tile.size > self.capacity:

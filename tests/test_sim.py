@@ -122,10 +122,34 @@ def test_bad_arguments_are_refused_with_what_is_accepted():
 
 
 def test_ledger_sums_to_the_totals():
-    report = sim.count_io(100, 16, sram_bytes=2 * 3000, algorithm="flash1", causal=True, nheads=2)
+    """The ledger holds one (batch, kv head) group's steps; the totals count every group."""
+    report = sim.count_io(100, 16, sram_bytes=2 * 3000, algorithm="flash1", causal=True, batch=3, nheads=4,
+                          nheads_kv=2)
+    assert report.copies == 6 and {s["h"] for s in report.tiles if "h" in s} == {0, 1}
     reads = sum(sum(s["reads"].values()) for s in report.tiles)
     writes = sum(sum(s["writes"].values()) for s in report.tiles)
-    assert (reads, writes) == (report.reads, report.writes)
+    assert (reads * 6, writes * 6) == (report.reads, report.writes)
+
+
+def test_the_figure_2_setting_counts_in_a_memory_budget():
+    """The FlashAttention paper's Figure 2 (GPT-2 medium: batch 64, 16 heads, N = 1024, d = 64) with the
+    default arguments, values checked on one head: the simulation's peak Python memory stays small."""
+    import tracemalloc
+
+    tracemalloc.start()
+    for algorithm in ("standard", "flash1"):
+        report = sim.count_io(1024, 64, sram_bytes=192 * 1024, algorithm=algorithm, batch=64, nheads=16)
+        assert report.matches_prediction and report.max_rel_error is not None
+        assert "values against the float64 reference" in report.checked and report.copies == 1024
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 256 * 2**20, f"peak {peak / 2**20:.0f} MiB"
+
+
+def test_values_past_the_check_budget_are_counted_and_the_report_says_so():
+    report = sim.count_io(8192, 64, sram_bytes=192 * 1024, algorithm="flash2", causal=True)
+    assert report.max_rel_error is None and report.matches_prediction
+    assert "values not checked" in report.checked
 
 
 def test_standard_uncharged_rereads_are_reported():

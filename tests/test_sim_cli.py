@@ -12,7 +12,7 @@ def test_report_table_and_figures(tmp_path, capsys):
     for name in ("standard", "flash1", "flash2 (accumulate dQ)", "flash2 (separate dQ)"):
         assert name in out
     assert "NO (" not in out  # every count equals its closed form
-    assert "verified against the float64 reference" in out
+    assert "values against the float64 reference" in out
     for figure in ("traffic_vs_seqlen.png", "traffic_vs_sram.png", "tile_heatmap.png"):
         assert (tmp_path / figure).stat().st_size > 10_000
 
