@@ -100,13 +100,17 @@ def _tables(args):
 def _figures(args):
     os.makedirs(args.out, exist_ok=True)
     d, kib = args.headdim[0], args.sram_kib[0]
-    seqlens = sorted(args.seqlen) if len(args.seqlen) > 1 else [2**k for k in range(8, 1 + max(8, args.seqlen[0].bit_length() - 1))]
+    # One N given: it and the four powers of two below it (at least 16), so the sweep shows the trend.
+    n = args.seqlen[0]
+    seqlens = sorted(args.seqlen) if len(args.seqlen) > 1 else sorted(
+        {n} | {2**k for k in range(max(4, n.bit_length() - 5), n.bit_length()) if 2**k < n})
     progress = Progress(len(seqlens) * len(ALGORITHMS), "traffic vs N")
     by_n = {alg: [] for alg in ALGORITHMS}
     for n in seqlens:
         for alg in ALGORITHMS:
             by_n[alg].append(count_io(n, d, sram_bytes=int(kib * 1024), algorithm=alg, dtype_bytes=args.dtype_bytes,
-                                      causal=args.causal, window_size=tuple(args.window), compute=False))
+                                      batch=args.batch, nheads=args.nheads, causal=args.causal,
+                                      window_size=tuple(args.window), compute=False))
             progress.step(f"N={n} {alg}")
     plots.traffic_vs_seqlen(by_n, os.path.join(args.out, "traffic_vs_seqlen.png"))
 
@@ -117,7 +121,8 @@ def _figures(args):
     for size in sizes:
         for alg in ALGORITHMS:
             by_m[alg].append(count_io(n, d, sram_bytes=int(size * 1024), algorithm=alg, dtype_bytes=args.dtype_bytes,
-                                      causal=args.causal, window_size=tuple(args.window), compute=False))
+                                      batch=args.batch, nheads=args.nheads, causal=args.causal,
+                                      window_size=tuple(args.window), compute=False))
             progress.step(f"M={size:g} KiB {alg}")
     plots.traffic_vs_sram(by_m, os.path.join(args.out, "traffic_vs_sram.png"))
 
@@ -126,8 +131,9 @@ def _figures(args):
     masks = [("as requested", dict(causal=args.causal, window_size=tuple(args.window)))]
     if not args.causal:
         masks.append(("causal", dict(causal=True)))
-    panels = [(title, count_io(heat_n, d, sram_bytes=int(kib * 1024), algorithm="flash2",
-                               dtype_bytes=args.dtype_bytes, compute=False, **mask)) for title, mask in masks]
+    panels = [(title, count_io(heat_n, d, sram_bytes=int(kib * 1024), algorithm="flash2", batch=args.batch,
+                               nheads=args.nheads, dtype_bytes=args.dtype_bytes, compute=False, **mask))
+              for title, mask in masks]
     plots.tile_heatmap(panels, os.path.join(args.out, "tile_heatmap.png"))
     print(f"\nfigures written to {args.out}/: traffic_vs_seqlen.png, traffic_vs_sram.png, tile_heatmap.png")
 

@@ -20,6 +20,25 @@ def _pyplot():
 STYLE = {"standard": ("tab:red", "o"), "flash1": ("tab:blue", "s"), "flash2": ("tab:green", "^")}
 
 
+def _setting(p):
+    """The problem's batch, heads and mask, for a title."""
+    heads = f"{p.nheads} heads" + (f" ({p.nheads_kv} kv)" if p.nheads_kv != p.nheads else "")
+    if (p.left, p.right) == (-1, -1):
+        mask = "no mask"
+    elif p.right == 0 and p.left == -1:
+        mask = "causal"
+    else:
+        mask = f"window ({p.left}, {p.right})"
+    return f"batch {p.batch}, {heads}, {mask}"
+
+
+def _integer_ticks(ax, values):
+    """Ticks at the swept values, labelled as integers (log axes would print 2^k or 10^k)."""
+    ax.set_xticks(values)
+    ax.set_xticklabels([f"{v:g}" for v in values])
+    ax.minorticks_off()
+
+
 def traffic_vs_seqlen(sweep, path):
     """``sweep``: {algorithm: [Report, ...]} over increasing N with one d and M."""
     plt = _pyplot()
@@ -30,13 +49,16 @@ def traffic_vs_seqlen(sweep, path):
     for alg, reports in sweep.items():
         color, marker = STYLE[alg]
         ax.plot(n, [r.total for r in reports], marker=marker, color=color, label=f"{alg} (counted)")
-    ax.plot(n, heads * (4 * n**2 + 4 * n * d), "k--", label=r"$4N^2 + 4Nd$")
-    ax.plot(n, heads * n**2 * d**2 / M, "k:", label=r"$N^2 d^2 / M$")
+    # The formulas as lines over an octave either side, so that even one N shows them.
+    line = np.geomspace(n.min() / 2, n.max() * 2, 64)
+    ax.plot(line, heads * (4 * line**2 + 4 * line * d), "k--", label=r"$4N^2 + 4Nd$")
+    ax.plot(line, heads * line**2 * d**2 / M, "k:", label=r"$N^2 d^2 / M$")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    _integer_ticks(ax, n)
     ax.set_xlabel("sequence length N")
     ax.set_ylabel("HBM traffic (elements)")
-    ax.set_title(f"Forward HBM traffic, d = {d}, M = {M} elements")
+    ax.set_title(f"Forward HBM traffic, d = {d}, M = {M} elements\n{_setting(first[0].problem)}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -60,9 +82,10 @@ def traffic_vs_sram(sweep, path):
                             ha="center", fontsize=7, color=color)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    _integer_ticks(ax, kib)
     ax.set_xlabel(f"SRAM M (KiB at {first[0].dtype_bytes} B/element); labels: FlashAttention-2's B_r")
     ax.set_ylabel("HBM traffic (elements)")
-    ax.set_title(f"Forward traffic vs SRAM size, N = {p.seqlen_q}, d = {p.headdim}")
+    ax.set_title(f"Forward traffic vs SRAM size, N = {p.seqlen_q}, d = {p.headdim}\n{_setting(p)}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -100,7 +123,7 @@ def tile_heatmap(reports, path):
         ax.set_ylabel(f"query block i (B_r = {report.blocks.rows})")
         p = report.problem
         ax.set_title(f"{report.algorithm} {report.direction}, {title}\nN = {p.seqlen_q}, d = {p.headdim}, "
-                     f"total {report.total:,} elements")
+                     f"{_setting(p)}; one (batch, kv head) group's steps")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

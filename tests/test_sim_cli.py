@@ -28,3 +28,21 @@ def test_bad_values_exit_2_with_the_reason(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
         main(argv)
     assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_figures_follow_the_arguments(tmp_path, monkeypatch):
+    """Batch, heads and mask reach the counts and the titles; one N still sweeps up to it."""
+    pytest.importorskip("matplotlib")
+    from sim import plots
+    from sim.problem import Problem
+
+    assert plots._setting(Problem(64, 64, 16, 2, 4, 2, -1, 0)) == "batch 2, 4 heads (2 kv), causal"
+    assert plots._setting(Problem(64, 64, 16, 1, 1, 1, 5, 3)) == "batch 1, 1 heads, window (5, 3)"
+    swept = {}
+    real = plots.traffic_vs_seqlen
+    monkeypatch.setattr(plots, "traffic_vs_seqlen", lambda sweep, path: (swept.update(sweep), real(sweep, path)))
+    main(["--seqlen", "100", "--headdim", "16", "--sram-kib", "8", "--batch", "2", "--nheads", "3", "--causal",
+          "--out", str(tmp_path)])
+    reports = swept["flash2"]
+    assert [r.problem.seqlen_q for r in reports] == [16, 32, 64, 100]  # powers of two from 16, then N
+    assert all((r.problem.batch, r.problem.nheads, r.problem.right) == (2, 3, 0) for r in reports)
