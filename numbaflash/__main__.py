@@ -7,7 +7,6 @@ a size that finishes in seconds (and says so).
 
 import argparse
 import os
-import sys
 import time
 
 from ._device import gpu_count, simulator_enabled
@@ -31,7 +30,6 @@ def main(argv=None):
     if not on_gpu:
         # Must happen before numba is first imported; numbaflash imports it lazily for this reason.
         os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
-        sys.setswitchinterval(3e-4)  # the simulator's block manager busy-polls; see tests/conftest.py
         print("No CUDA GPU here: running numbaflash's kernels on Numba's CUDA simulator, at a small size.\n")
     defaults = dict(batch=2, seqlen=2048, nheads=8, nheads_kv=2, headdim=128, dtype="float16") if on_gpu else \
         dict(batch=1, seqlen=48, nheads=2, nheads_kv=1, headdim=32, dtype="float32")

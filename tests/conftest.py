@@ -34,10 +34,7 @@ def pytest_configure(config):
     markexpr = config.getoption("markexpr") or ""
     GPU_RUN = "gpu" in markexpr and "not gpu" not in markexpr and gpu_count() > 0
     if not GPU_RUN:
-        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
-        # The simulator's block manager busy-polls its threads; with Python's default 5 ms GIL switch
-        # interval it starves them. 0.3 ms ran the kernel tests about 3x faster.
-        sys.setswitchinterval(3e-4)
+        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"  # simulated launches set their own switch interval
     if not config.getoption("hypothesis_profile", None):
         settings.load_profile("gpu" if GPU_RUN else "ci")
 
