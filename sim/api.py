@@ -258,8 +258,8 @@ def count_io(seqlen, headdim, *, sram_bytes=None, algorithm="flash2", seqlen_k=N
     else:
         flash2.forward(h, group, blocks, ctx)
 
-    reads = {n: c * copies for n, c in h.reads.items()}
-    writes = {n: c * copies for n, c in h.writes.items()}
+    reads, writes, uncharged = ({n: c * copies for n, c in counter.items()}
+                                for counter in (h.reads, h.writes, h.uncharged))
     names = sorted(set(reads) | set(writes))
     per_tensor = {n: {"reads": reads.get(n, 0), "writes": writes.get(n, 0)} for n in names}
     predicted = formulas.predicted(algorithm, backward, p, blocks, dq)
@@ -280,7 +280,7 @@ def count_io(seqlen, headdim, *, sram_bytes=None, algorithm="flash2", seqlen_k=N
         dtype_bytes=dtype_bytes, blocks=blocks, dq=dq if (algorithm == "flash2" and backward) else None,
         reads=sum(reads.values()), writes=sum(writes.values()), per_tensor=per_tensor, tiles=h.steps,
         predicted=predicted, asymptotic={"formula": formula, "value": value, "ratio": total / value},
-        peak_sram=h.peak, uncharged={n: c * copies for n, c in h.uncharged.items()}, checked=checked, copies=copies,
+        peak_sram=h.peak, uncharged=uncharged, checked=checked, copies=copies,
     )
     if verify:
         report.max_rel_error = _verify(h, hbm_in, algorithm, backward, ctx_args)

@@ -76,11 +76,17 @@ def store(entry, entry_name, cubin):
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    except OSError:
+        return
+    try:
         with os.fdopen(fd, "wb") as f:
             f.write(header + b"\n" + cubin)
         os.replace(tmp, path)
-    except OSError:
-        pass
+    except OSError:  # a full disk, say: leave no partial file behind
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
 
 
 def remove(entry):
