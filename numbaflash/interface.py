@@ -324,4 +324,41 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
         f"HBM traffic (sim closed form for this plan): {mb(flash['total_bytes'])} "
         f"(reads {flash['reads']:,}, writes {flash['writes']:,} elements)",
         f"standard attention (S and P through HBM):   {mb(standard['total_bytes'])}, {_compared(standard, flash)}",
+        *_on_the_gpu(call, the_plan, causal, window_size),
     ])
+
+
+EXPLAIN_TILE_VISITS = 500_000  # about 5 s of `sim.hardware.predict`: explain skips (and says so) past this
+
+
+def _on_the_gpu(call, the_plan, causal, window_size):
+    """What `sim.hardware` predicts this call moves on the GPU, and where it sits on the roofline."""
+    from sim import hardware
+
+    mb = lambda x: f"{x / 2**20:,.1f} MiB"
+    gpu = hardware.Gpu.current()
+    where = f"{gpu.name}, modelled: the CUDA simulator has no GPU" if SIMULATOR else gpu.name
+    visits = hardware.tile_visits(the_plan)
+    if visits > EXPLAIN_TILE_VISITS:
+        return [f"on the GPU  not modelled here: about {visits:,} tile visits, past explain's {EXPLAIN_TILE_VISITS:,} "
+                f"(some {visits // 100_000} s); sim.hardware.predict(numbaflash.plan(...)) runs it"]
+    operands = {name: hardware.Operand.of(op.obj) for name, op in (("q", call.q), ("k", call.k), ("v", call.v))}
+    if call.single_head:
+        operands = None  # the kernels see 4-D views of 2-D arrays; their layout is the contiguous one
+    pred = hardware.predict(the_plan, causal=causal, window_size=window_size, operands=operands, gpu=gpu)
+    loads = sum(k.load_bytes for k in pred.kernels)
+    copies = sum(k.async_bytes for k in pred.kernels)
+    stores = sum(k.store_bytes for k in pred.kernels)
+    reads = sum(k.dram_read_bytes for k in pred.kernels)
+    lines = [f"on the GPU  sim.hardware ({where}): global memory {mb(pred.global_bytes)} requested in 32-byte sectors "
+             f"(loads {mb(loads)}, asynchronous copies {mb(copies)}, stores {mb(stores)}); DRAM {mb(pred.dram_bytes)} "
+             f"after the L2 model (reads {mb(reads)}, writes {mb(pred.dram_bytes - reads)})"]
+    bound = pred.bound()
+    intensity = f"intensity   {pred.intensity:,.0f} FLOP per DRAM byte ({pred.flops / 1e9:,.1f} GFLOP)"
+    if bound is None:
+        lines.append(intensity + f"; no peak figures for {gpu.name}, so no roofline verdict")
+    else:
+        bandwidth, peaks = gpu.peaks
+        lines.append(intensity + f"; the ridge point is {bound[1]:,.0f} ({pred.compute} peak {peaks[pred.compute] / 1e12:,.0f} "
+                     f"TFLOP/s over {bandwidth / 1e12:.2f} TB/s): {bound[0]}-bound")
+    return lines

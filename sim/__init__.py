@@ -5,8 +5,9 @@ tile by tile, charges every element moved between HBM and an SRAM of fixed capac
 counts against each schedule's closed form and the result against the float64 reference.
 """
 
+from . import hardware
 from .api import ALGORITHMS, Report, SimulationMismatch, count_io, predict_io
 from .blocks import Blocks, min_sram
 from .hierarchy import SramOverflow
 
-__all__ = ["ALGORITHMS", "Blocks", "Report", "SimulationMismatch", "SramOverflow", "count_io", "min_sram", "predict_io"]
+__all__ = ["ALGORITHMS", "hardware", "Blocks", "Report", "SimulationMismatch", "SramOverflow", "count_io", "min_sram", "predict_io"]

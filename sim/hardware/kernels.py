@@ -1,0 +1,316 @@
+"""The global accesses of every kernel a `numbaflash.tiling.Plan` launches, block by block, in launch order.
+
+Each ``*_blocks`` function walks its kernel's grid as the GPU starts it (blockIdx.x fastest) and, for
+every thread block, charges each access the kernel code makes (`patterns` gives its addresses) to a
+`Ledger`: requested sectors for the global-bytes counters, and the block's sequence of tiles for the
+L2 model (`l2`). Blocks with no visible key load nothing, as in the kernels; rows past the sequence
+and columns past the head dim are never read; padded head dims are staged as zeros, not loaded.
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from numbaflash import masks
+from numbaflash.kernels.simt.tiles import vector_width
+
+from . import patterns
+from .sectors import LINE, box_bytes, copy_sectors, sectors, unique_bytes
+
+KINDS = ("load", "copy", "tma", "store")
+
+
+@dataclass
+class Ledger:
+    """Bytes one kernel requests by kind (sectors x 32; bulk tensor copies in sectors of their rows) and, per
+    thread block in launch order, the tiles it touches: ``(tile, distinct bytes, written)``."""
+
+    requested: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    blocks: list = field(default_factory=list)
+    _costs: dict = field(default_factory=dict)
+
+    def start_block(self):
+        self.blocks.append([])
+
+    def charge(self, kind, tile, key, make):
+        """Charge one access: ``make()`` -> (requested bytes, distinct bytes), memoized on ``key`` (the access's
+        shape and its first address modulo 128, all a count depends on)."""
+        if key not in self._costs:
+            self._costs[key] = make()
+        requested, distinct = self._costs[key]
+        self.requested[kind] += requested
+        if distinct:
+            self.blocks[-1].append((tile, distinct, kind == "store"))
+
+
+def _load(op, addresses, size):
+    """An access of ``size``-byte lanes: its requested sectors and the bytes DRAM moves for it."""
+    return lambda: (sectors(addresses) * 32, _distinct(op, addresses, size))
+
+
+def _distinct(op, addresses, size):
+    """Bytes DRAM moves for lane accesses of ``size`` bytes at ``addresses``, once per tile: their distinct
+    sectors, or, for a dense operand (rows of every head back to back, all read or written by the
+    kernel), their distinct bytes, since a sector shared with a neighbouring head's row moves once for both."""
+    if op.dense:
+        addresses = np.asarray(addresses)
+        return int(np.unique(addresses[addresses >= 0]).size) * size
+    return unique_bytes(addresses, size)
+
+
+def _dram_bytes(op, row_starts, row_bytes):
+    """`_distinct` for whole rows of ``row_bytes`` at ``row_starts`` (-1: outside the tensor)."""
+    starts = np.asarray(row_starts, dtype=np.int64)
+    starts = starts[starts >= 0]
+    if op.dense:
+        return int(starts.size) * row_bytes
+    if starts.size == 0:
+        return 0
+    first, last = starts // 32, (starts + row_bytes - 1) // 32
+    return int((last - first + 1).sum()) * 32
+
+
+def _rows_key(op, b, h, row0, rows):
+    """What a count of ``rows`` rows from ``row0`` depends on: the first address modulo a line, and how
+    many of the rows lie inside the sequence."""
+    return op.address(b, row0, h) % LINE, min(op.seqlen - row0, rows)
+
+
+def _stat_key(op, b, h, row0, rows):
+    return op.address(b, h, row0) % LINE, min(op.seqlen - row0, rows)
+
+
+class Stager:
+    """How one kernel stages a tile of a 4-D operand: cp.async into padded or swizzled rows, bulk tensor
+    copies (TMA), or loads (vectors of ``vector`` elements, or one element at a time)."""
+
+    def __init__(self, how, D, headdim, threads, vector):
+        self.how, self.D, self.headdim, self.threads, self.vector = how, D, headdim, threads, vector
+
+    def stage(self, ledger, name, op, b, h, row0, rows):
+        tile = (name, b, h, row0)
+        key = (self.how, name, rows, self.vector, *_rows_key(op, b, h, row0, rows))
+        if self.how == "tma":
+            ledger.charge("tma", tile, key, lambda: self._boxes(op, b, h, row0, rows))
+            return
+        copies = self.how in ("padded", "swizzled") and self.vector == 8
+
+        def make():
+            addresses, i, c = patterns.staged_rows(op, b, h, row0, rows, self.headdim, self.vector, self.D // self.vector)
+            if not copies:
+                return _load(op, addresses, self.vector * op.itemsize)()
+            dst = (patterns.padded_destinations(i, c, self.D) if self.how == "padded"
+                   else patterns.swizzled_destinations(i, c, rows))
+            return copy_sectors(addresses, dst) * 32, _distinct(op, addresses, 8 * op.itemsize)
+
+        ledger.charge("copy" if copies else "load", tile, key, make)
+
+    def _boxes(self, op, b, h, row0, rows):
+        delivered = distinct = 0
+        for atom in range(self.D // 64):
+            cols = min(self.headdim, 64 * atom + 64) - 64 * atom
+            row = row0 + np.arange(rows)
+            starts = np.where(row < op.seqlen, op.at(b, row, h, 64 * atom), -1)
+            delivered += box_bytes(starts, cols * op.itemsize, 64 * op.itemsize)
+            distinct += _dram_bytes(op, starts, cols * op.itemsize)
+        return delivered, distinct
+
+
+def stager_for(plan, vec):
+    """The `Stager` of a plan's tensor-core or CUDA-core kernels (``vec``: the launch's vector staging)."""
+    from numbaflash.tiling import MmaTiles, WgmmaTiles
+
+    t, D, headdim = plan.tiles, plan.headdim_padded, plan.headdim
+    if isinstance(t, WgmmaTiles):
+        if t.tma:
+            return Stager("tma", D, headdim, 128, 8)
+        return Stager("swizzled", D, headdim, 128 if t.producer else t.threads, 8 if vec else 1)
+    if isinstance(t, MmaTiles):
+        return Stager("padded", D, headdim, t.threads, 8 if vec else 1)
+    return Stager("loads", D, headdim, t.threads, 4 if vec else 1)
+
+
+def _hidden(ledger, ops, b, h, row_start, row_end):
+    out, lse = ops["out"], ops["lse"]
+    key = ("hidden", row_end - row_start, *_rows_key(out, b, h, row_start, row_end - row_start), lse.address(b, h, row_start) % LINE)
+
+    def make():
+        o, l = patterns.hidden_rows(out, lse, b, h, row_start, row_end)
+        return (sectors(o) + sectors(l)) * 32, _distinct(out, o, out.itemsize) + _distinct(lse, l, lse.itemsize)
+
+    ledger.charge("store", ("out", b, h, row_start), key, make)
+
+
+def _tensor_core_outputs(ledger, plan, out, lse, b, h, row0, warps, rows_per_warp, name="out"):
+    """O (or dQ, dK, dV) fragments of every warp of a block, and with ``lse`` its rows' LSE."""
+    m_tiles, D = rows_per_warp // 16, plan.headdim_padded
+    key = ("fragments", name, warps, m_tiles, D, *_rows_key(out, b, h, row0, warps * rows_per_warp))
+    stores = np.concatenate([patterns.fragment_stores(out, b, h, row0 + w * rows_per_warp, m_tiles, D)
+                             for w in range(warps)]) if key not in ledger._costs else None
+    ledger.charge("store", (name, b, h, row0), key, _load(out, stores, 2))
+    if lse is not None:
+        key = ("lse", warps, m_tiles, *_stat_key(lse, b, h, row0, warps * rows_per_warp))
+        lses = (np.concatenate([patterns.lse_stores(lse, b, h, row0 + w * rows_per_warp, m_tiles) for w in range(warps)])
+                if key not in ledger._costs else None)
+        ledger.charge("store", ("lse", b, h, row0), key, _load(lse, lses, 4))
+
+
+def _simt_outputs(ledger, plan, out, lse, b, h, row0, name="out"):
+    t, D = plan.tiles, plan.headdim_padded
+    acc_bytes = 8 if plan.dtype == "float64" else 4
+    vv = vector_width(D // t.cols_t, acc_bytes)
+    key = ("patch", name, *_rows_key(out, b, h, row0, t.block_m))
+    stores = patterns.patch_stores(out, b, h, row0, t, D, t.thread_m, vv) if key not in ledger._costs else None
+    ledger.charge("store", (name, b, h, row0), key, _load(out, stores, out.itemsize))
+    if lse is not None:
+        key = ("simt lse", *_stat_key(lse, b, h, row0, t.block_m))
+
+        def make():
+            r, c = patterns.simt_lanes(t.threads, t.cols_t)
+            rows = [row0 + r * t.thread_m + a for a in range(t.thread_m)]
+            addresses = np.concatenate([np.where((c == 0) & (row < lse.seqlen), lse.at(b, h, row), -1) for row in rows])
+            return sectors(addresses) * 32, _distinct(lse, addresses, lse.itemsize)
+
+        ledger.charge("store", ("lse", b, h, row0), key, make)
+
+
+def _statistics(ledger, ops, b, h, q0, rows, kind, rows_of):
+    """LSE and D rows a backward block reads (``rows_of(q0)``: lane rows, instructions x lanes)."""
+    for name in ("lse", "delta"):
+        op = ops[name]
+        key = ("stats", kind, name, *_stat_key(op, b, h, q0, rows))
+        addresses = patterns.row_statistics(op, b, h, rows_of(q0)) if key not in ledger._costs else None
+        ledger.charge("load", (name, b, h, q0), key, _load(op, addresses, op.itemsize))
+
+
+def forward_blocks(plan, ops, vec, left, right, ledger):
+    """Every forward kernel: Q once, K and V per visible key tile, O and LSE once (`kernels.*.forward`)."""
+    from numbaflash.tiling import MmaTiles, Tiles, WgmmaTiles
+
+    t = plan.tiles
+    q, k = ops["q"], ops["k"]
+    seqlen_q, seqlen_k = q.seqlen, k.seqlen
+    group = plan.nheads // plan.nheads_kv
+    bm, bn = t.block_m, t.block_n
+    stager = stager_for(plan, vec)
+    m_blocks = -(-seqlen_q // bm)
+    for b in range(plan.batch):
+        for h in range(plan.nheads):
+            for x in range(m_blocks):
+                ledger.start_block()
+                row_start = (m_blocks - 1 - x) * bm
+                row_end = min(row_start + bm, seqlen_q)
+                lo, hi = masks.block_key_range(row_start, row_end, seqlen_q, seqlen_k, left, right)
+                if lo >= hi:
+                    _hidden(ledger, ops, b, h, row_start, row_end)
+                    continue
+                stager.stage(ledger, "q", q, b, h, row_start, bm)
+                for n in range((lo // bn) * bn, hi, bn):
+                    stager.stage(ledger, "k", k, b, h // group, n, bn)
+                    stager.stage(ledger, "v", ops["v"], b, h // group, n, bn)
+                if isinstance(t, Tiles):
+                    _simt_outputs(ledger, plan, ops["out"], ops["lse"], b, h, row_start)
+                elif isinstance(t, MmaTiles):
+                    _tensor_core_outputs(ledger, plan, ops["out"], ops["lse"], b, h, row_start, t.warps, t.rows_per_warp)
+                elif isinstance(t, WgmmaTiles):
+                    _tensor_core_outputs(ledger, plan, ops["out"], ops["lse"], b, h, row_start, 4 * t.warpgroups, 16)
+
+
+def preprocess_blocks(plan, ops, rows_per_block, ledger):
+    """D = rowsum(dO * O): one warp per row reads it in 32-element steps; lane 0 writes D."""
+    out, delta = ops["out"], ops["delta"]
+    slots = 32 * -(-plan.headdim // 32)
+    for b in range(plan.batch):
+        for h in range(plan.nheads):
+            for row0 in range(0, out.seqlen, rows_per_block):
+                ledger.start_block()
+                for name in ("out", "dout"):
+                    op = ops[name]
+                    key = ("preprocess", name, rows_per_block, *_rows_key(op, b, h, row0, rows_per_block))
+                    addresses = (patterns.staged_rows(op, b, h, row0, rows_per_block, plan.headdim, 1, slots)[0]
+                                 if key not in ledger._costs else None)
+                    ledger.charge("load", (name, b, h, row0), key, _load(op, addresses, op.itemsize))
+                key = ("delta", rows_per_block, *_stat_key(delta, b, h, row0, rows_per_block))
+                rows = row0 + np.arange(rows_per_block)
+                addresses = np.where(rows < delta.seqlen, delta.at(b, h, rows), -1)[:, None]
+                ledger.charge("store", ("delta", b, h, row0), key, _load(delta, addresses, delta.itemsize))
+
+
+def dkdv_blocks(plan, ops, vec, left, right, ledger):
+    """The dK/dV kernels: K and V of a key block once; Q, dO, LSE and D of every query tile that sees it,
+    for every head of the GQA group (the CUDA-core kernel stages Q and dO twice, k-major then row-major)."""
+    from numbaflash.tiling import MmaTiles
+
+    t = plan.tiles
+    q, k = ops["q"], ops["k"]
+    seqlen_q, seqlen_k = q.seqlen, k.seqlen
+    group = plan.nheads // plan.nheads_kv
+    bk, bq = t.block_m, t.block_n
+    stager = stager_for(plan, vec)
+    mma = isinstance(t, MmaTiles)
+    if mma:
+        rows_of = lambda q0: patterns.stats_rows_mma(q0, bq, t.threads)
+    else:
+        r, c = patterns.simt_lanes(t.threads, t.cols_t)
+        rows_of = lambda q0: np.concatenate([q0 + c * t.thread_n + a for a in range(t.thread_n)])
+    for b in range(plan.batch):
+        for hk in range(plan.nheads_kv):
+            for key_start in range(0, seqlen_k, bk):
+                ledger.start_block()
+                q_lo, q_hi = masks.query_range(key_start, min(key_start + bk, seqlen_k), seqlen_q, seqlen_k,
+                                               left, right)
+                if q_lo < q_hi:
+                    stager.stage(ledger, "k", k, b, hk, key_start, bk)
+                    stager.stage(ledger, "v", ops["v"], b, hk, key_start, bk)
+                    for h in range(hk * group, (hk + 1) * group):
+                        for q_start in range((q_lo // bq) * bq, q_hi, bq):
+                            for _ in range(1 if mma else 2):
+                                stager.stage(ledger, "q", q, b, h, q_start, bq)
+                                stager.stage(ledger, "dout", ops["dout"], b, h, q_start, bq)
+                            _statistics(ledger, ops, b, h, q_start, bq, "dkdv", rows_of)
+                for name in ("dk", "dv"):
+                    if mma:
+                        _tensor_core_outputs(ledger, plan, ops[name], None, b, hk, key_start, t.warps, t.rows_per_warp,
+                                             name)
+                    else:
+                        _simt_outputs(ledger, plan, ops[name], None, b, hk, key_start, name)
+
+
+def dq_blocks(plan, ops, vec, left, right, ledger):
+    """The dQ kernels: Q, dO, LSE and D of a query block once; K and V of every visible key tile (the
+    CUDA-core kernel stages K twice, k-major then row-major)."""
+    from numbaflash.tiling import MmaTiles
+
+    t = plan.tiles
+    q, k = ops["q"], ops["k"]
+    seqlen_q, seqlen_k = q.seqlen, k.seqlen
+    group = plan.nheads // plan.nheads_kv
+    bm, bn = t.block_m, t.block_n
+    stager = stager_for(plan, vec)
+    mma = isinstance(t, MmaTiles)
+    if mma:
+        rows_of = lambda q0: np.concatenate([patterns.quad_rows(q0 + w * t.rows_per_warp, t.m_tiles)[0]
+                                             for w in range(t.warps)])
+    else:
+        r, c = patterns.simt_lanes(t.threads, t.cols_t)
+        rows_of = lambda q0: np.concatenate([q0 + r * t.thread_m + a for a in range(t.thread_m)])
+    m_blocks = -(-seqlen_q // bm)
+    for b in range(plan.batch):
+        for h in range(plan.nheads):
+            for x in range(m_blocks):
+                ledger.start_block()
+                row_start = (m_blocks - 1 - x) * bm
+                lo, hi = masks.block_key_range(row_start, min(row_start + bm, seqlen_q), seqlen_q, seqlen_k,
+                                               left, right)
+                if lo < hi:
+                    stager.stage(ledger, "q", q, b, h, row_start, bm)
+                    stager.stage(ledger, "dout", ops["dout"], b, h, row_start, bm)
+                    _statistics(ledger, ops, b, h, row_start, bm, "dq", rows_of)
+                    for n in range((lo // bn) * bn, hi, bn):
+                        for _ in range(1 if mma else 2):
+                            stager.stage(ledger, "k", k, b, h // group, n, bn)
+                        stager.stage(ledger, "v", ops["v"], b, h // group, n, bn)
+                if mma:
+                    _tensor_core_outputs(ledger, plan, ops["dq"], None, b, h, row_start, t.warps, t.rows_per_warp, "dq")
+                else:
+                    _simt_outputs(ledger, plan, ops["dq"], None, b, h, row_start, "dq")

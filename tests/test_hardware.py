@@ -1,0 +1,152 @@
+"""`sim.hardware`: sector counts against counts derived by hand, the L2 model on hand-made schedules, and
+what `explain` says with them. (`scripts/measure_io.py` holds the same model against ncu on a GPU.)"""
+
+import numpy as np
+import pytest
+
+import numbaflash
+from numbaflash import tiling
+from sim import hardware
+from sim.hardware import l2
+from sim.hardware.sectors import box_bytes, copy_sectors, sectors
+
+HOPPER = tiling.Device("NVIDIA H100 80GB HBM3", (9, 0), 132, 227 * 1024)
+
+
+def traffic(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward=False, tiles=None, **mask):
+    plan = tiling.make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward=backward,
+                            device=HOPPER, tiles=tiles)
+    return hardware.predict(plan, gpu=hardware.H100, **mask).kernels
+
+
+def test_a_warp_instruction_costs_its_distinct_sectors():
+    lane = np.arange(32)
+    # 32 two-byte stores, lane 4g + t at row g (rows 128 bytes apart), column 2t: one sector per row.
+    assert sectors((lane // 4) * 128 + (lane % 4) * 4) == 8
+    # 32 aligned 16-byte loads of 512 contiguous bytes: 16 sectors; shifted by 16 bytes they touch 17.
+    assert sectors(lane * 16) == 16
+    assert sectors(lane * 16 + 16) == 17
+    # A lane without an access costs nothing; the same sector twice counts once.
+    assert sectors(np.where(lane < 2, 0, -1)) == 1
+
+
+def test_a_copy_costs_the_shared_sectors_of_each_global_line():
+    # Four 128-byte rows, 8 chunks of 16 bytes each, one instruction. Landing in rows 144 bytes apart
+    # (the mma.sync stager's padding), rows 1 and 3 start 16 bytes into a shared sector and span five:
+    # 4 + 5 + 4 + 5 = 18 sectors. Landing 128 bytes apart (wgmma's swizzled rows), 16.
+    row, chunk = np.arange(32) // 8, np.arange(32) % 8
+    addresses = row * 128 + chunk * 16
+    assert copy_sectors(addresses[None], (row * 144 + chunk * 16)[None]) == 18
+    assert copy_sectors(addresses[None], (row * 128 + chunk * 16)[None]) == 16
+
+
+def test_a_box_row_delivers_its_box_width_and_a_sector_for_a_ragged_end():
+    # Three rows inside the tensor with 80 bytes of columns each, one past it; boxes of 128-byte rows.
+    assert box_bytes([0, 80, 160, -1], 80, 128) == 4 * 128 + 3 * 32
+    assert box_bytes([0, 128, -1], 128, 128) == 3 * 128
+
+
+def test_tensor_core_forward_by_hand():
+    # One head, N = 128, d = 64, float16, 128 x 64 tiles of 4 warps with 2 m-tiles: Q once (128 rows of
+    # 128 bytes), K and V in two tiles of 64 rows. Every cp.async instruction lands 4 rows in rows
+    # 144 bytes apart: 18 sectors per 16 sectors of data, 9/8 of the bytes. O goes out in 16-bit
+    # stores, 8 rows x 8 bytes per instruction: four times its 16 KiB. LSE: 128 rows of 4 bytes,
+    # 8 consecutive rows per instruction, one sector each.
+    (kernel,) = traffic(1, 1, 1, 128, 128, 64, "float16", tiles=tiling.MMA_TILES[64])
+    assert kernel.copy_bytes == 16384 * 9 // 8 + 2 * 2 * 8192 * 9 // 8
+    assert kernel.store_bytes == 4 * 16384 + 512
+    assert kernel.load_bytes == kernel.tma_bytes == 0
+
+
+def test_masked_key_tiles_are_not_loaded():
+    # Causal, N = 256: rows 128-255 see keys 0-255 (four tiles of 64), rows 0-127 keys 0-127 (two tiles).
+    (kernel,) = traffic(1, 1, 1, 256, 256, 64, "float16", tiles=tiling.MMA_TILES[64], causal=True)
+    tile = 64 * 128 * 9 // 8
+    assert kernel.copy_bytes == 2 * 16384 * 9 // 8 + 2 * 6 * tile
+
+
+def test_rows_that_see_no_key_are_written_and_load_nothing():
+    # seqlen_q 256 over 64 keys, causal (bottom-right): rows 0-191 see nothing. The block of rows 0-127
+    # writes O = 0 by consecutive threads (128 rows x 128 bytes, whole sectors) and LSE = -inf by the
+    # thread at column 0 of each row, alone in its instruction (a sector each). The block of rows 128-255
+    # loads Q and one K and one V tile and writes as in test_tensor_core_forward_by_hand.
+    (kernel,) = traffic(1, 1, 1, 256, 64, 64, "float16", tiles=tiling.MMA_TILES[64], causal=True)
+    assert kernel.store_bytes == 128 * 128 + 128 * 32 + 4 * 16384 + 512
+    assert kernel.copy_bytes == 16384 * 9 // 8 + 2 * 64 * 128 * 9 // 8
+
+
+def test_padded_head_dims_are_not_loaded():
+    # float32, d = 40 on the 64-wide bucket: 16-byte loads of 10 of each row's 16 slots. A row is 160
+    # bytes, five whole sectors: Q (128 rows) and K, V (two tiles of 64 rows) cost exactly their bytes.
+    (kernel,) = traffic(1, 1, 1, 128, 128, 40, "float32")
+    assert kernel.load_bytes == 128 * 160 + 2 * 2 * 64 * 160
+
+
+def test_unaligned_rows_cost_the_sectors_they_straddle():
+    # The backward's preprocess reads O and dO, one warp per row in 32-element steps. d = 40 in float16:
+    # 80-byte rows, which start on a sector (even rows) or 16 bytes into one (odd rows). Even rows cost
+    # 2 sectors for elements 0-31 and 1 for 32-39; odd rows 3 and 1. Eight rows: 4 x 3 + 4 x 4 = 28
+    # sectors per array. D: one 4-byte store per row, alone in its instruction.
+    preprocess = traffic(1, 1, 1, 8, 8, 40, "float16", backward=True)[0]
+    assert preprocess.kernel == "simt_backward_preprocess"
+    assert preprocess.load_bytes == 2 * 28 * 32
+    assert preprocess.store_bytes == 8 * 32
+    # O and dO are dense (rows back to back): DRAM reads their bytes, each shared sector once.
+    assert preprocess.dram_read_bytes == 2 * 8 * 80
+
+
+def test_lru_reads_a_tile_once_while_it_stays_and_writes_dirty_tiles_when_evicted():
+    read = lambda tile, n=100: (tile, n, False)
+    write = lambda tile, n=100: (tile, n, True)
+    assert l2.lru([read(0), read(1), read(0)], capacity=250) == (200, 0)
+    assert l2.lru([read(0), read(1), read(0)], capacity=150) == (300, 0)  # 1 evicts 0, which is read again
+    assert l2.lru([write(0), read(1), read(2)], capacity=150) == (200, 100)  # 0 leaves dirty: written
+    assert l2.lru([write(0)], capacity=150) == (0, 0)  # still cached at the end: written after the kernel
+
+
+def test_blocks_run_in_launch_order_resident_at_a_time():
+    blocks = [[("a", 1, False), ("b", 1, False)], [("c", 1, False)], [("d", 1, False)]]
+    number = lambda accesses: [tile for tile, _, _ in accesses]
+    assert number(l2.schedule(blocks, 1)) == [0, 1, 2, 3]  # a b c d
+    assert number(l2.schedule(blocks, 2)) == [0, 1, 2, 3]  # a c | b d: c's slot takes d once c is done
+    assert [t for t, _, _ in l2.schedule([[("x", 1, False)], [("x", 1, False)]], 2)] == [0, 0]
+    # Two blocks of one wave read the same tile: DRAM reads it once.
+    assert l2.dram_bytes([[("x", 64, False)], [("x", 64, False)]], 2, 1 << 20) == (64, 0)
+
+
+def test_roofline_follows_the_flops_and_the_dram_bytes():
+    plan = tiling.make_plan(1, 2, 2, 128, 128, 64, "float16", device=HOPPER)
+    causal = hardware.predict(plan, causal=True, gpu=hardware.H100)
+    full = hardware.predict(plan, gpu=hardware.H100)
+    assert full.flops == 4 * 64 * 2 * 128 * 128
+    assert causal.flops == 4 * 64 * 2 * (128 * 129 // 2)
+    kind, ridge = full.bound()
+    assert ridge == pytest.approx(989e12 / 3.35e12)
+    assert kind == ("memory" if full.intensity < ridge else "compute")
+    unknown = hardware.Gpu("unknown GPU", 100, 2**25, 2**17)
+    assert hardware.predict(plan, gpu=unknown).bound() is None
+
+
+@pytest.mark.parametrize("call, error", [
+    (lambda plan: hardware.predict("plan"), TypeError),
+    (lambda plan: hardware.predict(plan, causal="yes"), TypeError),
+    (lambda plan: hardware.predict(plan, window_size=(-2, 0)), ValueError),
+    (lambda plan: hardware.predict(plan, gpu="H100"), TypeError),
+    (lambda plan: hardware.predict(plan, operands={"x": None}), ValueError),
+    (lambda plan: hardware.predict(plan, operands={"q": hardware.Operand.contiguous((1, 2, 3), 2)}), ValueError),
+])
+def test_bad_arguments_are_refused(call, error):
+    plan = tiling.make_plan(1, 1, 1, 16, 16, 16, "float16", device=HOPPER)
+    with pytest.raises(error):
+        call(plan)
+
+
+def test_explain_gives_the_gpu_traffic_and_the_bound(monkeypatch):
+    from numbaflash import interface
+
+    q = np.random.default_rng(0).standard_normal((1, 64, 2, 32)).astype(np.float16)
+    text = numbaflash.explain(q, q, q, causal=True)
+    assert "requested in 32-byte sectors" in text and "after the L2 model" in text
+    assert "FLOP per DRAM byte" in text and ("memory-bound" in text or "compute-bound" in text)
+    monkeypatch.setattr(interface, "EXPLAIN_TILE_VISITS", 1)
+    assert "not modelled here" in numbaflash.explain(q, q, q)
