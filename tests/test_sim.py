@@ -1,5 +1,7 @@
 """`sim.count_io`: exact closed forms, the reference, the SRAM budget, and the scaling laws."""
 
+import os
+
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings, strategies as st
@@ -144,6 +146,20 @@ def test_the_figure_2_setting_counts_in_a_memory_budget():
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert peak < 256 * 2**20, f"peak {peak / 2**20:.0f} MiB"
+
+
+def test_one_head_at_n_131072_counts_under_a_gigabyte():
+    """N = 131072 with the default arguments, in a child process whose peak resident memory the OS reports
+    (ru_maxrss of all children so far: an upper bound on this one's)."""
+    import resource
+    import subprocess
+    import sys
+
+    code = ("import sim; r = sim.count_io(131072, 64, sram_bytes=192 * 1024, algorithm='flash2'); "
+            "assert r.matches_prediction and 'values not checked' in r.checked")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # kilobytes on Linux
+    assert peak < 2**30, f"peak resident memory {peak / 2**20:.0f} MiB"
 
 
 def test_values_past_the_check_budget_are_counted_and_the_report_says_so():
