@@ -3,7 +3,9 @@
 Every case is checked for correctness before it is timed (flash-attn's rule against a float64
 reference of one head), timed with CUDA events after warm-up (median of the repeats), and reported as
 TFLOP/s with ratios to each baseline. FLOPs: 4 * batch * nheads * seqlen^2 * headdim for the forward
-(halved when causal), 2.5x that for the backward. Also the peak extra GPU memory of one call.
+(halved when causal), 2.5x that for the backward; and the fraction of the GPU's matrix-product peak that
+numbaflash reaches (torch's 8192^3 product in the same dtype, measured in the same run). Also the peak
+extra GPU memory of one call.
 
     python scripts/bench.py                       # the full grid: fp16, bf16, fp32; d 64, 128; N 512..16384
     python scripts/bench.py --quick               # a few cases
@@ -79,6 +81,21 @@ def peak_extra_bytes(fn):
     torch.cuda.synchronize()
     del result
     return torch.cuda.max_memory_allocated() - before + hook.peak
+
+
+_PEAKS = {}
+
+
+def matmul_peak(dtype):
+    """TFLOP/s of torch's 8192 x 8192 x 8192 matrix product in ``dtype`` on random data, measured once per
+    run: the ceiling of the tensor cores (float16, bfloat16) or of the CUDA cores (float32, TF32 off, and
+    float64) that the attention kernels' products run under."""
+    torch = _torch()
+    if dtype not in _PEAKS:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        a, b = (torch.randn(8192, 8192, device="cuda", dtype=getattr(torch, dtype)) for _ in range(2))
+        _PEAKS[dtype] = 2 * 8192**3 / time_ms(lambda: a @ b, warmup=3, repeats=10) / 1e9
+    return _PEAKS[dtype]
 
 
 def sdpa(backend):
@@ -158,6 +175,7 @@ def run_case(dtype, headdim, seqlen, causal, backward, tilings=None, memory=Fals
     else:
         fn = lambda: numbaflash.attention(q, k, v, causal=causal)
     result["numbaflash"] = total / time_ms(fn) / 1e9
+    result["matmul_peak"] = matmul_peak(dtype)
     result["plan"] = numbaflash.plan(q, k, v, causal=causal, backward=backward).kernel
     if tilings:
         tensor_cores = (tiling.MmaTiles, tiling.WgmmaTiles)
@@ -239,14 +257,16 @@ def memory_demo():
 def table(results):
     cols = ["numbaflash", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "naive_cupy"]
     lines = [f"{'pass':<8} {'dtype':<8} {'d':>3} {'N':>6} {'causal':<6} {'ok':<3} "
-             + " ".join(f"{c:>14}" for c in cols) + "   nf/flash  nf/eff   nf/naive"]
+             + " ".join(f"{c:>14}" for c in cols) + "   nf/flash  nf/eff   nf/naive  of matmul peak"]
     for r in results:
         cells = [f"{r.get(c):14.1f}" if r.get(c) else f"{'-':>14}" for c in cols]
         ratio = lambda other: f"{r['numbaflash'] / r[other]:8.2f}" if r.get(other) else f"{'-':>8}"
         lines.append(f"{r['pass_']:<8} {r['dtype']:<8} {r['headdim']:>3} {r['seqlen']:>6} {str(r['causal']):<6} "
                      f"{'yes' if r['correct'] else 'NO':<3} " + " ".join(cells)
-                     + f" {ratio('sdpa_flash')} {ratio('sdpa_efficient')} {ratio('naive_cupy')}")
-    return "TFLOP/s (median of CUDA-event timings)\n" + "\n".join(lines)
+                     + f" {ratio('sdpa_flash')} {ratio('sdpa_efficient')} {ratio('naive_cupy')}"
+                     + f" {ratio('matmul_peak'):>15}")
+    return ("TFLOP/s (median of CUDA-event timings); of matmul peak: numbaflash over torch's 8192^3 product in the "
+            "same dtype, same run\n" + "\n".join(lines))
 
 
 def plot(results, path):

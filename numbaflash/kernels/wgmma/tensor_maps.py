@@ -69,6 +69,8 @@ class _DeviceMaps:
     def __init__(self, blob):
         from cuda.bindings import driver as cu
 
+        # Kept for __del__: at interpreter exit, a cached set is freed after imports stop working.
+        self._driver = cu
         err, self.ptr = cu.cuMemAlloc(len(blob))
         if err != cu.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"cuMemAlloc of {len(blob)} bytes for tensor maps failed ({err.name})")
@@ -78,11 +80,9 @@ class _DeviceMaps:
             raise RuntimeError(f"copying tensor maps to the GPU failed ({err.name})")
 
     def __del__(self):
-        from cuda.bindings import driver as cu
-
         # A kernel launched earlier may still read these maps: finish the context's work first.
-        cu.cuCtxSynchronize()
-        cu.cuMemFree(self.ptr)
+        self._driver.cuCtxSynchronize()
+        self._driver.cuMemFree(self.ptr)
 
 
 @functools.lru_cache(maxsize=KEPT)
