@@ -52,8 +52,8 @@ def _check_scale(softmax_scale, headdim):
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float, np.floating, np.integer)):
         raise TypeError(f"softmax_scale must be a number or None (1/sqrt(headdim)); got {type(softmax_scale).__name__}")
     scale = float(softmax_scale)
-    if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"softmax_scale must be finite and positive; got {softmax_scale!r}")
+    if not math.isfinite(scale):
+        raise ValueError(f"softmax_scale must be a finite number (any sign, as in flash-attn); got {softmax_scale!r}")
     return scale
 
 
@@ -151,7 +151,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
             Any strides are read in place (q, k, v sliced from a packed qkv tensor need no copy).
             float16, bfloat16, float32 or float64, all the same; headdim from 1 to 256.
         causal: bottom-right aligned causal mask (flash-attn >= 2.1 semantics, see `numbaflash.reference`).
-        softmax_scale: scale of QK^T before the softmax; default ``1 / sqrt(headdim)``.
+        softmax_scale: scale of QK^T before the softmax, any finite float; default ``1 / sqrt(headdim)``.
         window_size: ``(left, right)`` sliding window, -1 for unbounded; causal sets right = 0.
         return_lse: also return the log-sum-exp of each row.
         plan: a `plan(...)` for this call, to choose the kernel's blocks explicitly.

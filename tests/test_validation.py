@@ -83,10 +83,8 @@ def test_not_an_array():
 
 
 @pytest.mark.parametrize("scale,error,message", [
-    (float("nan"), ValueError, "finite and positive; got nan"),
-    (float("inf"), ValueError, "finite and positive; got inf"),
-    (0.0, ValueError, "finite and positive; got 0.0"),
-    (-0.5, ValueError, "finite and positive; got -0.5"),
+    (float("nan"), ValueError, "finite number .*; got nan"),
+    (float("inf"), ValueError, "finite number .*; got inf"),
     ("0.1", TypeError, "must be a number or None"),
     (True, TypeError, "must be a number or None"),
 ])

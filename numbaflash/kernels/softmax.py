@@ -13,10 +13,15 @@ whole arrays):
 * ``online_softmax(s, m_i, l_i, alpha, scale_log2)``: new running maxima ``m_i``, the factor ``alpha``
   by which earlier sums and outputs shrink, ``s`` exponentiated in place (``P``), and the running sums
   ``l_i`` (a lane's partial sum; the quad adds them at the end). Scores stay raw: ``softmax_scale *
-  log2(e)`` is folded into the exponent's FMA, and the exponential is the hardware's ex2.
+  log2(e)`` is folded into the exponent's FMA, and the exponential is the hardware's ex2. A scale <= 0
+  (flash-attn takes any) first turns the visible raw scores: a negative one makes the largest scaled
+  score the smallest raw one, so they are negated and the step works with the scale's magnitude
+  (``m_i`` holds maxima of ``-s``); zero makes them all 0, with scale 1 (`effective_scale`). A uniform
+  branch: a positive scale pays one comparison per tile.
 * ``rescale_o(acc, alpha)``: the output accumulators times ``alpha``, row by row.
 * ``finish(l_i, inv)``: each row's whole sum (over the quad) into ``l_i`` and its inverse (0 for a row
-  that saw no key) into ``inv``, for the one normalization at the end.
+  that saw no key, whose sum is exactly 0) into ``inv``, for the one normalization at the end. A NaN
+  score makes the sum NaN, and out and LSE NaN with it, as in the reference.
 * ``write_lse(lse, b, h, warp_row, g, t, m_i, l_i, scale_log2)``: each row's log-sum-exp (natural log; -inf
   for a row that saw no key), written once by the quad's first lane.
 """
@@ -31,6 +36,13 @@ from .intrinsics import device_function, ex2, group_max, group_sum
 from .fragments import lane_row
 
 ZERO, ONE, NEG_INF, LN2 = np.float32(0), np.float32(1), np.float32(-np.inf), np.float32(math.log(2.0))
+
+
+@device_function
+def effective_scale(scale_log2):
+    """The scale `online_softmax` works with once it has turned the raw scores: |scale| for a negative one
+    (the scores negated), 1 for zero (every visible score 0: -inf x 0 would make hidden ones NaN)."""
+    return abs(scale_log2) if scale_log2 != ZERO else ONE
 
 
 def steps(M, NT, DT):
@@ -50,6 +62,13 @@ def steps(M, NT, DT):
 
     @device_function
     def online_softmax(s, m_i, l_i, alpha, scale_log2):
+        if scale_log2 <= ZERO:  # uniform over the block: no cost to a positive scale but this test
+            sign = -ONE if scale_log2 < ZERO else ZERO
+            for j in range(M * NT):
+                for e in range(4):
+                    if s[j, e] != NEG_INF:  # hidden scores stay hidden (-inf x 0 would be NaN)
+                        s[j, e] *= sign
+            scale_log2 = effective_scale(scale_log2)
         for r in range(M_ROWS):
             mi, half = r // 2, r % 2
             row_max = s[mi * NT, 2 * half]
@@ -80,13 +99,14 @@ def steps(M, NT, DT):
     def finish(l_i, inv):
         for r in range(M_ROWS):
             l_i[r] = group_sum(l_i[r], 4)
-            inv[r] = ONE / l_i[r] if l_i[r] > ZERO else ZERO
+            inv[r] = ONE / l_i[r] if l_i[r] != ZERO else ZERO
 
     @device_function
     def write_lse(lse, b, h, warp_row, g, t, m_i, l_i, scale_log2):
         for r in range(M_ROWS):
             row = warp_row + lane_row(r, g)
             if row < lse.shape[2] and t == 0:
-                lse[b, h, row] = ((m_i[r] * scale_log2 + math.log2(l_i[r])) * LN2 if l_i[r] > ZERO else NEG_INF)
+                lse[b, h, row] = ((m_i[r] * effective_scale(scale_log2) + math.log2(l_i[r])) * LN2 if l_i[r] != ZERO
+                                  else NEG_INF)
 
     return mask, online_softmax, rescale_o, finish, write_lse

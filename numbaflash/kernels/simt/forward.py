@@ -143,8 +143,8 @@ def build(D, tiles, storage):
             l_row = group_sum(l_i[a], COLS_T)
             row = row_start + r * TM + a
             if row < seqlen_q:
-                write_row(out, b, row, h, acc, a, ONE / l_row if l_row > ZERO else ZERO, c)
+                write_row(out, b, row, h, acc, a, ONE / l_row if l_row != ZERO else ZERO, c)  # NaN stays NaN
                 if c == 0:
-                    lse[b, h, row] = (m_i[a] + math.log2(l_row)) * LN2 if l_row > ZERO else NEG_INF
+                    lse[b, h, row] = (m_i[a] + math.log2(l_row)) * LN2 if l_row != ZERO else NEG_INF
 
     return attention_forward, signature
