@@ -160,11 +160,13 @@ def predict(plan, *, causal=False, window_size=(-1, -1), operands=None, gpu=None
     ops = _operands(plan, operands)
     forward_vec = _vector_staging(plan, ops, ("q", "k", "v"))
     backward_vec = _vector_staging(plan, ops, ("q", "k", "v", "dout"))
+    forward = kernels.Walk(plan, ops, kernels.stager_for(plan, forward_vec), left, right)
+    backward = kernels.Walk(plan, ops, kernels.stager_for(plan, backward_vec), left, right)
     walks = {
-        "forward": lambda ledger: kernels.forward_blocks(plan, ops, forward_vec, left, right, ledger),
+        "forward": lambda ledger: kernels.forward_blocks(forward, ledger),
         "simt_backward_preprocess": lambda ledger: kernels.preprocess_blocks(plan, ops, PREPROCESS_ROWS, ledger),
-        "dkdv": lambda ledger: kernels.dkdv_blocks(plan, ops, backward_vec, left, right, ledger),
-        "dq": lambda ledger: kernels.dq_blocks(plan, ops, backward_vec, left, right, ledger),
+        "dkdv": lambda ledger: kernels.dkdv_blocks(backward, ledger),
+        "dq": lambda ledger: kernels.dq_blocks(backward, ledger),
     }
     results = []
     for launch in plan.launches:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from numbaflash import masks
+from numbaflash.tiling import MmaTiles, WgmmaTiles
 from numbaflash.kernels.simt.tiles import vector_width
 
 from . import patterns
@@ -118,8 +119,6 @@ class Stager:
 
 def stager_for(plan, vec):
     """The `Stager` of a plan's tensor-core or CUDA-core kernels (``vec``: the launch's vector staging)."""
-    from numbaflash.tiling import MmaTiles, WgmmaTiles
-
     t, D, headdim = plan.tiles, plan.headdim_padded, plan.headdim
     if isinstance(t, WgmmaTiles):
         if t.tma:
@@ -141,7 +140,7 @@ def _hidden(ledger, ops, b, h, row_start, row_end):
     ledger.charge("store", ("out", b, h, row_start), key, make)
 
 
-def _tensor_core_outputs(ledger, plan, out, lse, b, h, row0, warps, rows_per_warp, name="out"):
+def _tensor_core_outputs(ledger, plan, out, lse, b, h, row0, warps, rows_per_warp, name):
     """O (or dQ, dK, dV) fragments of every warp of a block, and with ``lse`` its rows' LSE."""
     m_tiles, D = rows_per_warp // 16, plan.headdim_padded
     key = ("fragments", name, warps, m_tiles, D, *_rows_key(out, b, h, row0, warps * rows_per_warp))
@@ -155,7 +154,7 @@ def _tensor_core_outputs(ledger, plan, out, lse, b, h, row0, warps, rows_per_war
         ledger.charge("store", ("lse", b, h, row0), key, _load(lse, lses, 4))
 
 
-def _simt_outputs(ledger, plan, out, lse, b, h, row0, name="out"):
+def _simt_outputs(ledger, plan, out, lse, b, h, row0, name):
     t, D = plan.tiles, plan.headdim_padded
     acc_bytes = 8 if plan.dtype == "float64" else 4
     vv = vector_width(D // t.cols_t, acc_bytes)
@@ -183,37 +182,64 @@ def _statistics(ledger, ops, b, h, q0, rows, kind, rows_of):
         ledger.charge("load", (name, b, h, q0), key, _load(op, addresses, op.itemsize))
 
 
-def forward_blocks(plan, ops, vec, left, right, ledger):
-    """Every forward kernel: Q once, K and V per visible key tile, O and LSE once (`kernels.*.forward`)."""
-    from numbaflash.tiling import MmaTiles, Tiles, WgmmaTiles
+@dataclass
+class Walk:
+    """What every walk of an attention kernel's grid needs: the plan, the operands (`patterns.Operand` by
+    name), how the kernel stages tiles, and the mask."""
 
-    t = plan.tiles
-    q, k = ops["q"], ops["k"]
-    seqlen_q, seqlen_k = q.seqlen, k.seqlen
-    group = plan.nheads // plan.nheads_kv
-    bm, bn = t.block_m, t.block_n
-    stager = stager_for(plan, vec)
-    m_blocks = -(-seqlen_q // bm)
-    for b in range(plan.batch):
-        for h in range(plan.nheads):
-            for x in range(m_blocks):
-                ledger.start_block()
-                row_start = (m_blocks - 1 - x) * bm
-                row_end = min(row_start + bm, seqlen_q)
-                lo, hi = masks.block_key_range(row_start, row_end, seqlen_q, seqlen_k, left, right)
-                if lo >= hi:
-                    _hidden(ledger, ops, b, h, row_start, row_end)
-                    continue
-                stager.stage(ledger, "q", q, b, h, row_start, bm)
-                for n in range((lo // bn) * bn, hi, bn):
-                    stager.stage(ledger, "k", k, b, h // group, n, bn)
-                    stager.stage(ledger, "v", ops["v"], b, h // group, n, bn)
-                if isinstance(t, Tiles):
-                    _simt_outputs(ledger, plan, ops["out"], ops["lse"], b, h, row_start)
-                elif isinstance(t, MmaTiles):
-                    _tensor_core_outputs(ledger, plan, ops["out"], ops["lse"], b, h, row_start, t.warps, t.rows_per_warp)
-                elif isinstance(t, WgmmaTiles):
-                    _tensor_core_outputs(ledger, plan, ops["out"], ops["lse"], b, h, row_start, 4 * t.warpgroups, 16)
+    plan: object
+    ops: dict
+    stager: Stager
+    left: int
+    right: int
+
+    @property
+    def seqlens(self):
+        return self.ops["q"].seqlen, self.ops["k"].seqlen
+
+    @property
+    def group(self):
+        return self.plan.nheads // self.plan.nheads_kv
+
+    def query_blocks(self, ledger):
+        """``(b, h, row_start, row_end, lo, hi)`` of every query block (forward, dQ) in launch order, the last
+        rows first (`kernels.blocks.query_block`), each opening a block in ``ledger``."""
+        seqlen_q, seqlen_k = self.seqlens
+        bm = self.plan.tiles.block_m
+        m_blocks = -(-seqlen_q // bm)
+        for b in range(self.plan.batch):
+            for h in range(self.plan.nheads):
+                for x in range(m_blocks):
+                    ledger.start_block()
+                    row_start = (m_blocks - 1 - x) * bm
+                    row_end = min(row_start + bm, seqlen_q)
+                    lo, hi = masks.block_key_range(row_start, row_end, seqlen_q, seqlen_k, self.left, self.right)
+                    yield b, h, row_start, row_end, lo, hi
+
+    def outputs(self, ledger, name, lse, b, h, row0):
+        """The block's rows of ``name`` (O, dQ, dK or dV), and of ``lse`` unless None, as its kernel writes them."""
+        t, out = self.plan.tiles, self.ops[name]
+        lse = None if lse is None else self.ops[lse]
+        if isinstance(t, WgmmaTiles):
+            _tensor_core_outputs(ledger, self.plan, out, lse, b, h, row0, 4 * t.warpgroups, 16, name)
+        elif isinstance(t, MmaTiles):
+            _tensor_core_outputs(ledger, self.plan, out, lse, b, h, row0, t.warps, t.rows_per_warp, name)
+        else:
+            _simt_outputs(ledger, self.plan, out, lse, b, h, row0, name)
+
+
+def forward_blocks(walk, ledger):
+    """Every forward kernel: Q once, K and V per visible key tile, O and LSE once (`kernels.*.forward`)."""
+    bm, bn = walk.plan.tiles.block_m, walk.plan.tiles.block_n
+    for b, h, row_start, row_end, lo, hi in walk.query_blocks(ledger):
+        if lo >= hi:
+            _hidden(ledger, walk.ops, b, h, row_start, row_end)
+            continue
+        walk.stager.stage(ledger, "q", walk.ops["q"], b, h, row_start, bm)
+        for n in range((lo // bn) * bn, hi, bn):
+            walk.stager.stage(ledger, "k", walk.ops["k"], b, h // walk.group, n, bn)
+            walk.stager.stage(ledger, "v", walk.ops["v"], b, h // walk.group, n, bn)
+        walk.outputs(ledger, "out", "lse", b, h, row_start)
 
 
 def preprocess_blocks(plan, ops, rows_per_block, ledger):
@@ -236,57 +262,42 @@ def preprocess_blocks(plan, ops, rows_per_block, ledger):
                 ledger.charge("store", ("delta", b, h, row0), key, _load(delta, addresses, delta.itemsize))
 
 
-def dkdv_blocks(plan, ops, vec, left, right, ledger):
+def dkdv_blocks(walk, ledger):
     """The dK/dV kernels: K and V of a key block once; Q, dO, LSE and D of every query tile that sees it,
     for every head of the GQA group (the CUDA-core kernel stages Q and dO twice, k-major then row-major)."""
-    from numbaflash.tiling import MmaTiles
-
-    t = plan.tiles
-    q, k = ops["q"], ops["k"]
-    seqlen_q, seqlen_k = q.seqlen, k.seqlen
-    group = plan.nheads // plan.nheads_kv
+    t, ops = walk.plan.tiles, walk.ops
+    seqlen_q, seqlen_k = walk.seqlens
     bk, bq = t.block_m, t.block_n
-    stager = stager_for(plan, vec)
     mma = isinstance(t, MmaTiles)
     if mma:
         rows_of = lambda q0: patterns.stats_rows_mma(q0, bq, t.threads)
     else:
         r, c = patterns.simt_lanes(t.threads, t.cols_t)
         rows_of = lambda q0: np.concatenate([q0 + c * t.thread_n + a for a in range(t.thread_n)])
-    for b in range(plan.batch):
-        for hk in range(plan.nheads_kv):
+    for b in range(walk.plan.batch):
+        for hk in range(walk.plan.nheads_kv):
             for key_start in range(0, seqlen_k, bk):
                 ledger.start_block()
                 q_lo, q_hi = masks.query_range(key_start, min(key_start + bk, seqlen_k), seqlen_q, seqlen_k,
-                                               left, right)
+                                               walk.left, walk.right)
                 if q_lo < q_hi:
-                    stager.stage(ledger, "k", k, b, hk, key_start, bk)
-                    stager.stage(ledger, "v", ops["v"], b, hk, key_start, bk)
-                    for h in range(hk * group, (hk + 1) * group):
+                    walk.stager.stage(ledger, "k", ops["k"], b, hk, key_start, bk)
+                    walk.stager.stage(ledger, "v", ops["v"], b, hk, key_start, bk)
+                    for h in range(hk * walk.group, (hk + 1) * walk.group):
                         for q_start in range((q_lo // bq) * bq, q_hi, bq):
                             for _ in range(1 if mma else 2):
-                                stager.stage(ledger, "q", q, b, h, q_start, bq)
-                                stager.stage(ledger, "dout", ops["dout"], b, h, q_start, bq)
+                                walk.stager.stage(ledger, "q", ops["q"], b, h, q_start, bq)
+                                walk.stager.stage(ledger, "dout", ops["dout"], b, h, q_start, bq)
                             _statistics(ledger, ops, b, h, q_start, bq, "dkdv", rows_of)
-                for name in ("dk", "dv"):
-                    if mma:
-                        _tensor_core_outputs(ledger, plan, ops[name], None, b, hk, key_start, t.warps, t.rows_per_warp,
-                                             name)
-                    else:
-                        _simt_outputs(ledger, plan, ops[name], None, b, hk, key_start, name)
+                walk.outputs(ledger, "dk", None, b, hk, key_start)
+                walk.outputs(ledger, "dv", None, b, hk, key_start)
 
 
-def dq_blocks(plan, ops, vec, left, right, ledger):
+def dq_blocks(walk, ledger):
     """The dQ kernels: Q, dO, LSE and D of a query block once; K and V of every visible key tile (the
     CUDA-core kernel stages K twice, k-major then row-major)."""
-    from numbaflash.tiling import MmaTiles
-
-    t = plan.tiles
-    q, k = ops["q"], ops["k"]
-    seqlen_q, seqlen_k = q.seqlen, k.seqlen
-    group = plan.nheads // plan.nheads_kv
+    t, ops = walk.plan.tiles, walk.ops
     bm, bn = t.block_m, t.block_n
-    stager = stager_for(plan, vec)
     mma = isinstance(t, MmaTiles)
     if mma:
         rows_of = lambda q0: np.concatenate([patterns.quad_rows(q0 + w * t.rows_per_warp, t.m_tiles)[0]
@@ -294,23 +305,13 @@ def dq_blocks(plan, ops, vec, left, right, ledger):
     else:
         r, c = patterns.simt_lanes(t.threads, t.cols_t)
         rows_of = lambda q0: np.concatenate([q0 + r * t.thread_m + a for a in range(t.thread_m)])
-    m_blocks = -(-seqlen_q // bm)
-    for b in range(plan.batch):
-        for h in range(plan.nheads):
-            for x in range(m_blocks):
-                ledger.start_block()
-                row_start = (m_blocks - 1 - x) * bm
-                lo, hi = masks.block_key_range(row_start, min(row_start + bm, seqlen_q), seqlen_q, seqlen_k,
-                                               left, right)
-                if lo < hi:
-                    stager.stage(ledger, "q", q, b, h, row_start, bm)
-                    stager.stage(ledger, "dout", ops["dout"], b, h, row_start, bm)
-                    _statistics(ledger, ops, b, h, row_start, bm, "dq", rows_of)
-                    for n in range((lo // bn) * bn, hi, bn):
-                        for _ in range(1 if mma else 2):
-                            stager.stage(ledger, "k", k, b, h // group, n, bn)
-                        stager.stage(ledger, "v", ops["v"], b, h // group, n, bn)
-                if mma:
-                    _tensor_core_outputs(ledger, plan, ops["dq"], None, b, h, row_start, t.warps, t.rows_per_warp, "dq")
-                else:
-                    _simt_outputs(ledger, plan, ops["dq"], None, b, h, row_start, "dq")
+    for b, h, row_start, row_end, lo, hi in walk.query_blocks(ledger):
+        if lo < hi:
+            walk.stager.stage(ledger, "q", ops["q"], b, h, row_start, bm)
+            walk.stager.stage(ledger, "dout", ops["dout"], b, h, row_start, bm)
+            _statistics(ledger, ops, b, h, row_start, bm, "dq", rows_of)
+            for n in range((lo // bn) * bn, hi, bn):
+                for _ in range(1 if mma else 2):
+                    walk.stager.stage(ledger, "k", ops["k"], b, h // walk.group, n, bn)
+                walk.stager.stage(ledger, "v", ops["v"], b, h // walk.group, n, bn)
+        walk.outputs(ledger, "dq", None, b, h, row_start)
