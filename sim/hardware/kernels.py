@@ -23,8 +23,8 @@ KINDS = ("load", "copy", "tma", "store")
 
 @dataclass
 class Ledger:
-    """Bytes one kernel requests by kind (sectors x 32; bulk tensor copies in sectors of their rows) and, per
-    thread block in launch order, the tiles it touches: ``(tile, distinct bytes, written)``."""
+    """Bytes one kernel requests by kind (sectors x 32; bulk tensor copies in the bytes the TMA unit
+    delivers) and, per thread block in launch order, the tiles it touches: ``(tile, distinct bytes, written)``."""
 
     requested: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     blocks: list = field(default_factory=list)
@@ -85,8 +85,8 @@ class Stager:
     """How one kernel stages a tile of a 4-D operand: cp.async into padded or swizzled rows, bulk tensor
     copies (TMA), or loads (vectors of ``vector`` elements, or one element at a time)."""
 
-    def __init__(self, how, D, headdim, threads, vector):
-        self.how, self.D, self.headdim, self.threads, self.vector = how, D, headdim, threads, vector
+    def __init__(self, how, D, headdim, vector):
+        self.how, self.D, self.headdim, self.vector = how, D, headdim, vector
 
     def stage(self, ledger, name, op, b, h, row0, rows):
         tile = (name, b, h, row0)
@@ -121,12 +121,10 @@ def stager_for(plan, vec):
     """The `Stager` of a plan's tensor-core or CUDA-core kernels (``vec``: the launch's vector staging)."""
     t, D, headdim = plan.tiles, plan.headdim_padded, plan.headdim
     if isinstance(t, WgmmaTiles):
-        if t.tma:
-            return Stager("tma", D, headdim, 128, 8)
-        return Stager("swizzled", D, headdim, 128 if t.producer else t.threads, 8 if vec else 1)
+        return Stager("tma", D, headdim, 8) if t.tma else Stager("swizzled", D, headdim, 8 if vec else 1)
     if isinstance(t, MmaTiles):
-        return Stager("padded", D, headdim, t.threads, 8 if vec else 1)
-    return Stager("loads", D, headdim, t.threads, 4 if vec else 1)
+        return Stager("padded", D, headdim, 8 if vec else 1)
+    return Stager("loads", D, headdim, 4 if vec else 1)
 
 
 def _hidden(ledger, ops, b, h, row_start, row_end):
