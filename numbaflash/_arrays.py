@@ -28,10 +28,7 @@ class Operand:
 
     def vector_aligned(self, count):
         """Whether ``count`` consecutive head-dim elements come in one aligned load of at most 16 bytes."""
-        itemsize = kernel_dtype(self.dtype).itemsize
-        align = min(16, count * itemsize)
-        return (self.shape[-1] % count == 0 and self.strides[-1] == itemsize and self.ptr % align == 0
-                and all(s % align == 0 for s in self.strides[:-1]))
+        return vector_aligned(self.shape, self.strides, kernel_dtype(self.dtype).itemsize, self.ptr, count)
 
     def kernel_view(self, dtype):
         """The simulator's array for a kernel argument of NumPy ``dtype``: the same memory and strides,
@@ -41,6 +38,15 @@ class Operand:
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
 
         return FakeCUDAArray(self.obj.view(dtype) if self.obj.dtype != dtype else self.obj)
+
+
+def vector_aligned(shape, strides, itemsize, address, count):
+    """Whether an array (``strides`` in bytes, first element at ``address``) can be staged ``count`` head-dim
+    elements at a time: the head dim contiguous and a multiple of ``count``, every row aligned to the
+    vector (at most 16 bytes). The kernels' vector staging and `sim.hardware` both ask this."""
+    align = min(16, count * itemsize)
+    return (shape[-1] % count == 0 and strides[-1] == itemsize and address % align == 0
+            and all(s % align == 0 for s in strides[:-1]))
 
 
 @dataclass(frozen=True)

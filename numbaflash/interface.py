@@ -203,19 +203,13 @@ def _launch(plan, index, stream, *args):
     kernel_for(plan, launch).launch(launch.grid, launch.threads, launch.smem_bytes, stream, *args)
 
 
-def _vector_elements(plan):
-    """Head-dim elements per vector copy: 16-byte cp.async chunks in the tensor-core kernels, 4-element
-    loads in the CUDA-core kernels."""
-    return 4 if isinstance(plan.tiles, tiling.Tiles) else 8
-
-
 def vector_staging(plan, *operands):
     """Whether the kernels can stage these operands' tiles in vectors (one flag per launch).
 
-    The head dimension must be contiguous, a multiple of `_vector_elements`, and aligned. Otherwise
+    The head dimension must be contiguous, a multiple of `tiling.vector_elements`, and aligned. Otherwise
     tiles are staged element by element, and `explain` says so.
     """
-    return all(op.vector_aligned(_vector_elements(plan)) for op in operands)
+    return all(op.vector_aligned(tiling.vector_elements(plan.tiles)) for op in operands)
 
 
 def run_forward(call, plan, out, lse):
@@ -315,7 +309,7 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     mb = lambda x: f"{x / 2**20:,.1f} MiB"
     staging = ("tiles staged in vectors" if vector_staging(the_plan, call.q, call.k, call.v) else
                "tiles staged element by element, slower: the head dimension is not contiguous, not a multiple of "
-               f"{_vector_elements(the_plan)}, or not 16-byte aligned")
+               f"{tiling.vector_elements(the_plan.tiles)}, or not 16-byte aligned")
     return "\n".join([
         f"numbaflash.{'attention_backward' if backward else 'attention'}: batch {call.batch}, seqlen_q {call.seqlen_q}, "
         f"seqlen_k {call.seqlen_k}, heads {heads}, headdim {call.headdim}, {call.dtype}, {mask}",

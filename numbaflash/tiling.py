@@ -208,6 +208,12 @@ SIMULATOR_MMA_BACKWARD_TILES = MmaTiles(32, 32, 1, 2)
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 
+def vector_elements(tiles):
+    """Head-dim elements per vector copy: 16-byte cp.async chunks (and bulk tensor copies) in the
+    tensor-core kernels, 4-element loads in the CUDA-core kernels."""
+    return 4 if isinstance(tiles, Tiles) else 8
+
+
 def accumulator(dtype):
     return "float64" if dtype == "float64" else "float32"
 

@@ -113,17 +113,12 @@ def _operands(plan, operands):
 
 
 def _vector_staging(plan, ops, names):
-    """As `numbaflash.interface.vector_staging`: contiguous head dim, a multiple of the vector, aligned."""
-    from numbaflash.tiling import Tiles
+    """Whether the launch stages these operands in vectors, as `numbaflash.interface.vector_staging` decides."""
+    from numbaflash._arrays import vector_aligned
+    from numbaflash.tiling import vector_elements
 
-    count = 4 if isinstance(plan.tiles, Tiles) else 8
-    for name in names:
-        op = ops[name]
-        align = min(16, count * op.itemsize)
-        if not (op.shape[-1] % count == 0 and op.strides[-1] == op.itemsize and op.offset % align == 0
-                and all(s % align == 0 for s in op.strides[:-1])):
-            return False
-    return True
+    count = vector_elements(plan.tiles)
+    return all(vector_aligned(op.shape, op.strides, op.itemsize, op.offset, count) for op in (ops[n] for n in names))
 
 
 def tile_visits(plan):
