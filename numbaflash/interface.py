@@ -216,11 +216,8 @@ def run_forward(call, plan, out, lse):
     """Launch the forward kernel of ``plan`` on validated operands (``out``, ``lse`` preallocated)."""
     vec = vector_staging(plan, call.q, call.k, call.v)
     args = [call.q, call.k, call.v, out, lse, _scale_arg(call), call.left, call.right, vec]
+    tiling.check_copy_engine(plan.tiles, vec)
     if isinstance(plan.tiles, tiling.WgmmaTiles) and plan.tiles.producer:
-        if plan.tiles.tma and not vec:
-            raise ValueError("plan copies with the bulk tensor copy engine (tma), which needs q, k, v with a "
-                             "contiguous head dim, a multiple of 8, and 16-byte aligned strides; make a plan "
-                             "without tma tiles for these inputs")
         args.append(wgmma_ws_forward.tensor_map_args(call.q, call.k, call.v, plan.tiles))
     _launch(plan, 0, _arrays.stream_of(call.q), *args)
 
@@ -286,6 +283,10 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     return dq, dk, dv
 
 
+def _mib(nbytes):
+    return f"{nbytes / 2**20:,.1f} MiB"
+
+
 def _compared(standard, flash):
     """How standard attention's traffic compares with the plan's: "3.2x more", or "1.1x less" (tiny problems)."""
     ratio = standard["total"] / flash["total"]
@@ -306,7 +307,6 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     standard = sim.predict_io(call.seqlen_q, call.headdim, algorithm="standard", sram_bytes=the_plan.sram_bytes, **sizes)
     mask = "causal" if causal else (f"window {tuple(window_size)}" if tuple(window_size) != (-1, -1) else "no mask")
     heads = f"{call.nheads}" + (f" (GQA, {call.nheads_kv} kv heads)" if call.nheads_kv != call.nheads else "")
-    mb = lambda x: f"{x / 2**20:,.1f} MiB"
     staging = ("tiles staged in vectors" if vector_staging(the_plan, call.q, call.k, call.v) else
                "tiles staged element by element, slower: the head dimension is not contiguous, not a multiple of "
                f"{tiling.vector_elements(the_plan.tiles)}, or not 16-byte aligned")
@@ -315,9 +315,9 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
         f"seqlen_k {call.seqlen_k}, heads {heads}, headdim {call.headdim}, {call.dtype}, {mask}",
         the_plan.describe(),
         f"staging     {staging}",
-        f"HBM traffic (sim closed form for this plan): {mb(flash['total_bytes'])} "
+        f"HBM traffic (sim closed form for this plan): {_mib(flash['total_bytes'])} "
         f"(reads {flash['reads']:,}, writes {flash['writes']:,} elements)",
-        f"standard attention (S and P through HBM):   {mb(standard['total_bytes'])}, {_compared(standard, flash)}",
+        f"standard attention (S and P through HBM):   {_mib(standard['total_bytes'])}, {_compared(standard, flash)}",
         *_on_the_gpu(call, the_plan, causal, window_size),
     ])
 
@@ -329,7 +329,6 @@ def _on_the_gpu(call, the_plan, causal, window_size):
     """What `sim.hardware` predicts this call moves on the GPU, and where it sits on the roofline."""
     from sim import hardware
 
-    mb = lambda x: f"{x / 2**20:,.1f} MiB"
     gpu = hardware.Gpu.current()
     where = f"{gpu.name}, modelled: the CUDA simulator has no GPU" if SIMULATOR else gpu.name
     visits = hardware.tile_visits(the_plan)
@@ -340,13 +339,10 @@ def _on_the_gpu(call, the_plan, causal, window_size):
     if call.single_head:
         operands = None  # the kernels see 4-D views of 2-D arrays; their layout is the contiguous one
     pred = hardware.predict(the_plan, causal=causal, window_size=window_size, operands=operands, gpu=gpu)
-    loads = sum(k.load_bytes for k in pred.kernels)
-    copies = sum(k.async_bytes for k in pred.kernels)
-    stores = sum(k.store_bytes for k in pred.kernels)
-    reads = sum(k.dram_read_bytes for k in pred.kernels)
-    lines = [f"on the GPU  sim.hardware ({where}): global memory {mb(pred.global_bytes)} requested in 32-byte sectors "
-             f"(loads {mb(loads)}, asynchronous copies {mb(copies)}, stores {mb(stores)}); DRAM {mb(pred.dram_bytes)} "
-             f"after the L2 model (reads {mb(reads)}, writes {mb(pred.dram_bytes - reads)})"]
+    lines = [f"on the GPU  sim.hardware ({where}): global memory {_mib(pred.global_bytes)} requested in 32-byte sectors "
+             f"(loads {_mib(pred.total('load_bytes'))}, asynchronous copies {_mib(pred.total('async_bytes'))}, stores "
+             f"{_mib(pred.total('store_bytes'))}); DRAM {_mib(pred.dram_bytes)} after the L2 model (reads "
+             f"{_mib(pred.total('dram_read_bytes'))}, writes {_mib(pred.total('dram_write_bytes'))})"]
     bound = pred.bound()
     intensity = f"intensity   {pred.intensity:,.0f} FLOP per DRAM byte ({pred.flops / 1e9:,.1f} GFLOP)"
     if bound is None:

@@ -249,6 +249,15 @@ def uses_wgmma(dtype, device, headdim):
             and WGMMA_MIN_HEADDIM <= headdim <= WGMMA_HEADDIMS[-1])
 
 
+def check_copy_engine(tiles, aligned):
+    """Refuse tiles that copy with the bulk tensor copy engine for inputs it cannot read (``aligned`` False):
+    asked for in a plan, or a plan made for other arrays."""
+    if isinstance(tiles, WgmmaTiles) and tiles.tma and not aligned:
+        raise ValueError(f"{tiles}: the plan copies with the bulk tensor copy engine, which needs q, k, v with a "
+                         "contiguous head dim, a multiple of 8, and 16-byte aligned strides; use tiles without tma for "
+                         "these inputs")
+
+
 def _cdiv(a, b):
     return -(-a // b)
 
@@ -450,9 +459,8 @@ def _wgmma_forward_plan(shape, device, tiles, aligned):
             tiles = WGMMA_CP_ASYNC_TILES[D]
             copies = ("; q, k or v has a head dim that is not contiguous, not a multiple of 8 or not 16-byte "
                       "aligned, which the bulk tensor copy engine cannot read: v3 copies with cp.async")
-    elif tiles.tma and not aligned:
-        raise ValueError(f"{tiles} copy with the bulk tensor copy engine, which needs q, k, v with a contiguous head "
-                         "dim, a multiple of 8, and 16-byte aligned strides; use tiles without tma for these inputs")
+    else:
+        check_copy_engine(tiles, aligned)
     smem = ((wgmma_ws_forward if tiles.producer else wgmma_forward).smem_bytes(D, tiles),)
     _check_smem("forward", smem, shape, device)
     registers = 4 * (tiles.block_m * D + tiles.block_m * tiles.block_n + 2 * tiles.block_m)

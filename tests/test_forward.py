@@ -64,7 +64,7 @@ def test_inputs_the_copy_engine_cannot_read_run_with_cp_async(arrays):
     qkv = to_device(np.random.default_rng(4).standard_normal((1, 50, 3, 2, 36)).astype(np.float16))
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     plan = tiling.make_plan(1, 2, 2, 50, 50, 36, "float16", tiles=WgmmaTiles(64, 16, 1, producer=True, tma=True))
-    with pytest.raises(ValueError, match="plan copies with the bulk tensor copy engine"):
+    with pytest.raises(ValueError, match="the plan copies with the bulk tensor copy engine"):
         numbaflash.attention(q, k, v, plan=plan)
 
 

@@ -122,10 +122,9 @@ class Kernel:
                 return cuda.current_context().create_module_image(image).get_function(entry_name)
             except Exception:  # a cubin the driver rejects is rebuilt, whatever the driver's complaint
                 disk_cache.remove(entry)
-        cufunc = self.cufunc()
         library = self._library()
         disk_cache.store(entry, library._entry_name, bytes(library.get_cubin().code))  # a cuda.core ObjectCode
-        return cufunc
+        return library.get_cufunc()
 
     def _function(self, device, smem_bytes):
         # One entry per device: a specialization's shared memory is fixed by its head dim and tiles.

@@ -63,13 +63,17 @@ class HardwarePrediction:
     flops: float
     compute: str
 
+    def total(self, field):
+        """A `KernelTraffic` field summed over the launches."""
+        return sum(getattr(k, field) for k in self.kernels)
+
     @property
     def global_bytes(self):
-        return sum(k.global_bytes for k in self.kernels)
+        return self.total("global_bytes")
 
     @property
     def dram_bytes(self):
-        return sum(k.dram_bytes for k in self.kernels)
+        return self.total("dram_bytes")
 
     @property
     def intensity(self):
