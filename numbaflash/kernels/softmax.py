@@ -7,7 +7,8 @@ columns ``8 j + 2 t`` and ``+ 1``, so a row's scores are spread over the 4 lanes
 row ``r`` (0 .. 2 M - 1) of a lane is m-tile ``r // 2``, half ``r % 2``; ``s[mi * NT + j, 2 half + e]``.
 
 The steps, in the order a key tile goes through them (`sim.online_softmax` is the same algorithm on
-whole arrays):
+whole arrays), after ``start(acc, m_i, l_i)``, which sets a block's output to 0, its running maxima to
+-inf and its sums to 0:
 
 * ``mask(s, warp_row, g, t, n_start, seqlen_q, seqlen_k, left, right)``: hidden scores become -inf.
 * ``online_softmax(s, m_i, l_i, alpha, scale_log2)``: new running maxima ``m_i``, the factor ``alpha``
@@ -33,7 +34,7 @@ import numpy as np
 
 from .. import masks
 from .intrinsics import device_function, ex2, group_max, group_sum
-from .fragments import lane_row
+from .fragments import fill, lane_row
 
 ZERO, ONE, NEG_INF, LN2 = np.float32(0), np.float32(1), np.float32(-np.inf), np.float32(math.log(2.0))
 
@@ -46,8 +47,16 @@ def effective_scale(scale_log2):
 
 
 def steps(M, NT, DT):
-    """``(mask, online_softmax, rescale_o, finish, write_lse)`` for ``M`` m-tiles of ``8 NT`` keys and ``8 DT`` output columns."""
+    """``(start, mask, online_softmax, rescale_o, finish, write_lse)`` for ``M`` m-tiles of ``8 NT`` keys and ``8 DT``
+    output columns."""
     M_ROWS = 2 * M
+
+    @device_function
+    def start(acc, m_i, l_i):
+        fill(acc, M * DT, 4, ZERO)
+        for r in range(M_ROWS):
+            m_i[r] = NEG_INF
+            l_i[r] = ZERO
 
     @device_function
     def mask(s, warp_row, g, t, n_start, seqlen_q, seqlen_k, left, right):
@@ -109,4 +118,4 @@ def steps(M, NT, DT):
                 lse[b, h, row] = ((m_i[r] * effective_scale(scale_log2) + math.log2(l_i[r])) * LN2 if l_i[r] != ZERO
                                   else NEG_INF)
 
-    return mask, online_softmax, rescale_o, finish, write_lse
+    return start, mask, online_softmax, rescale_o, finish, write_lse

@@ -11,13 +11,12 @@ K and V tiles are double-buffered: while a tile is computed, the next one is in 
 (16 bytes per copy, straight to shared memory).
 """
 
-import numpy as np
 from numba import cuda, types
 
 from ... import masks
 from ..blocks import TENSOR_CORE_FORWARD, query_block, write_hidden_rows
 from ..intrinsics import cp_async_commit, cp_async_wait_all, cp_async_wait_one
-from ..fragments import fill, fragment_writer
+from ..fragments import fragment_writer
 from .tiles import lane_offsets, products, row_stride, stager
 from ..softmax import steps
 
@@ -44,9 +43,7 @@ def build(D, tiles, storage):
     stage = stager(D, THREADS)
     scores, accumulate = products(BLOCK_N, D, storage, M)
     write_out = fragment_writer(D, storage)
-    mask, online_softmax, rescale_o, finish, write_lse = steps(M, NT, DT)
-    f32 = np.float32
-    ZERO, NEG_INF = f32(0), f32(-np.inf)
+    start, mask, online_softmax, rescale_o, finish, write_lse = steps(M, NT, DT)
 
     def attention_forward_mma(q, k, v, out, lse, scale_log2, left, right, vec):
         # q, out: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v: (batch, seqlen_k, nheads_kv, headdim)
@@ -76,10 +73,7 @@ def build(D, tiles, storage):
         m_i = cuda.local.array(M_ROWS, types.float32)
         l_i = cuda.local.array(M_ROWS, types.float32)
         alpha = cuda.local.array(M_ROWS, types.float32)
-        fill(acc, M_DT, 4, ZERO)
-        for r in range(M_ROWS):
-            m_i[r] = NEG_INF
-            l_i[r] = ZERO
+        start(acc, m_i, l_i)
         a_off, b_off, t_off = lane_offsets(lane, LD)
         warp_row = row_start + warp * ROWS
         q_at = Q_AT + warp * ROWS * LD + a_off

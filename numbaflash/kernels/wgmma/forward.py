@@ -13,16 +13,15 @@ that product is done. K and V each run through a two-stage ring; V trails K by o
 barrier per iteration both publishes the landed tiles and frees the stages the copies refill.
 """
 
-import numpy as np
 from numba import cuda, types
 
 from ... import masks
 from ..blocks import TENSOR_CORE_FORWARD, query_block, write_hidden_rows
 from ..intrinsics import (cp_async_commit, device_function, cp_async_wait_all, fence_proxy_async, shared_address, wgmma_commit,
                          wgmma_fence, wgmma_wait0, wgmma_wait1)
-from ..fragments import fill, fragment_writer
+from ..fragments import fragment_writer
 from ..softmax import steps
-from .tiles import ALIGN, ATOM, advance, aligned_base, descriptor, pack_p, products, stager
+from .tiles import ALIGN, advance, aligned_base, descriptors, pack_p, products, stager
 
 STAGES = 2  # K and V ring depth
 
@@ -48,12 +47,8 @@ def build(D, tiles, storage):
     stage_q, stage_kv = stager(D, BLOCK_M, THREADS), stager(D, BLOCK_N, THREADS)
     scores, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage)
     pack = pack_p(BLOCK_N, storage)
-    mask, online_softmax, rescale_o, finish, write_lse = steps(1, NT, DT)
+    start, mask, online_softmax, rescale_o, finish, write_lse = steps(1, NT, DT)
     write_out = fragment_writer(D, storage)
-    f32 = np.float32
-    ZERO, NEG_INF = f32(0), f32(-np.inf)
-    SWIZZLE_PERIOD = 8 * ATOM * 2  # bytes between 8-row groups of a swizzled tile
-    V_LEADING = BLOCK_N * ATOM * 2  # bytes between V's atoms along the head dim (wgmma's N)
 
     @device_function
     def sync_tiles():
@@ -103,10 +98,7 @@ def build(D, tiles, storage):
         stage_kv(smem, base + K_AT, k, b, n_first, hk, tid, vec)
         cp_async_commit()
 
-        address = shared_address(smem, base)
-        q_desc = descriptor(address + 2 * (Q_AT + wg * 64 * ATOM), 0, SWIZZLE_PERIOD)  # this warpgroup's 64 rows
-        k_desc = descriptor(address + 2 * K_AT, 0, SWIZZLE_PERIOD)
-        v_desc = descriptor(address + 2 * V_AT, V_LEADING, SWIZZLE_PERIOD)
+        q_desc, k_desc, v_desc = descriptors(shared_address(smem, base), Q_AT, K_AT, V_AT, BLOCK_N, wg)
 
         acc = cuda.local.array((DT, 4), types.float32)  # O fragments: 64 x D per warpgroup
         s = cuda.local.array((NT, 4), types.float32)  # S, then P, fragments: 64 x BLOCK_N per warpgroup
@@ -115,10 +107,7 @@ def build(D, tiles, storage):
         m_i = cuda.local.array(2, types.float32)
         l_i = cuda.local.array(2, types.float32)
         alpha = cuda.local.array(2, types.float32)
-        fill(acc, DT, 4, ZERO)
-        for r in range(2):
-            m_i[r] = NEG_INF
-            l_i[r] = ZERO
+        start(acc, m_i, l_i)
         warp_row = row_start + wg * 64 + warp * 16
 
         # The first tile: its scores alone (no P V yet), then its softmax.

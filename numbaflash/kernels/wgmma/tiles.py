@@ -47,6 +47,17 @@ def advance(desc, nbytes):
     return desc + np.uint64(nbytes >> 4)
 
 
+@device_function
+def descriptors(address, q_at, k_at, v_at, block_n, wg):
+    """``(q, k, v)`` descriptors of the forward's tiles at shared ``address`` (bytes) + element offsets: warpgroup
+    ``wg``'s 64 rows of the Q tile and the first stage of K and V (``block_n`` rows), K-major
+    Q and K, MN-major V (its atoms ``block_n`` rows apart along the head dim, wgmma's N)."""
+    period = ATOM_ROWS * ATOM * 2  # bytes between 8-row groups of a swizzled tile
+    return (descriptor(address + 2 * (q_at + wg * 64 * ATOM), 0, period),
+            descriptor(address + 2 * k_at, 0, period),
+            descriptor(address + 2 * v_at, block_n * ATOM * 2, period))
+
+
 def stager(D, ROWS, THREADS):
     """``stage(smem, at, src, b, row0, h, tid, vec)`` for tiles of ``ROWS`` rows of head dim ``D`` (a multiple
     of 64). With ``vec`` (head dim a multiple of 8, 16-byte aligned rows) each 16-byte chunk is one

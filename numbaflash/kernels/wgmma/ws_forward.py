@@ -21,7 +21,6 @@ headdim 64 (128 x 128) it ran 0.95-1.11x SDPA flash, against v3's 0.73-0.88x, an
 there; at headdim 128 its largest spill-free tile (128 x 96) ran 0.70-0.82x, below v3 (`tiling`).
 """
 
-import numpy as np
 from numba import cuda, types
 
 from ... import masks
@@ -30,11 +29,11 @@ from ..intrinsics import (cp_async_mbarrier_arrive, cp_async_wait_all, device_fu
                          mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_try_wait, setmaxnreg_dec,
                          setmaxnreg_inc, shared_address, tma_load_4d, wgmma_commit, wgmma_fence, wgmma_wait0,
                          wgmma_wait1)
-from ..fragments import fill, fragment_writer
+from ..fragments import fragment_writer
 from ..softmax import steps
 from . import tensor_maps
 from .forward import STAGES, layout
-from .tiles import ALIGN, ATOM, advance, aligned_base, descriptor, pack_p, products, stager
+from .tiles import ALIGN, ATOM, advance, aligned_base, descriptors, pack_p, products, stager
 
 PRODUCER = 128  # threads of the producer warpgroup
 BARRIERS = 1 + 4 * STAGES  # Q full; K full, V full, K empty, V empty per stage
@@ -70,13 +69,10 @@ def build(D, tiles, storage):
     stage_q, stage_kv = stager(D, BLOCK_M, PRODUCER), stager(D, BLOCK_N, PRODUCER)
     scores, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage)
     pack = pack_p(BLOCK_N, storage)
-    mask, online_softmax, rescale_o, finish, write_lse = steps(1, NT, DT)
+    start, mask, online_softmax, rescale_o, finish, write_lse = steps(1, NT, DT)
     write_out = fragment_writer(D, storage)
     release_registers, take_registers = (setmaxnreg_dec(REGISTERS[CONSUMERS][0]),
                                          setmaxnreg_inc(REGISTERS[CONSUMERS][1]))
-    ZERO, NEG_INF = np.float32(0), np.float32(-np.inf)
-    SWIZZLE_PERIOD = 8 * ATOM * 2  # bytes between 8-row groups of a swizzled tile
-    V_LEADING = BLOCK_N * ATOM * 2  # bytes between V's atoms along the head dim (wgmma's N)
 
     @device_function
     def wait(smem, barrier, parity):
@@ -178,10 +174,7 @@ def build(D, tiles, storage):
             ctid = tid - PRODUCER
             wg, warp, lane = ctid // 128, (ctid % 128) // 32, ctid % 32
             g, t = lane >> 2, lane & 3
-            address = shared_address(smem, base)
-            q_desc = descriptor(address + 2 * (Q_AT + wg * 64 * ATOM), 0, SWIZZLE_PERIOD)  # this warpgroup's rows
-            k_desc = descriptor(address + 2 * K_AT, 0, SWIZZLE_PERIOD)
-            v_desc = descriptor(address + 2 * V_AT, V_LEADING, SWIZZLE_PERIOD)
+            q_desc, k_desc, v_desc = descriptors(shared_address(smem, base), Q_AT, K_AT, V_AT, BLOCK_N, wg)
 
             acc = cuda.local.array((DT, 4), types.float32)  # O fragments: 64 x D per warpgroup
             s = cuda.local.array((NT, 4), types.float32)  # S, then P, fragments: 64 x BLOCK_N per warpgroup
@@ -190,10 +183,7 @@ def build(D, tiles, storage):
             m_i = cuda.local.array(2, types.float32)
             l_i = cuda.local.array(2, types.float32)
             alpha = cuda.local.array(2, types.float32)
-            fill(acc, DT, 4, ZERO)
-            for r in range(2):
-                m_i[r] = NEG_INF
-                l_i[r] = ZERO
+            start(acc, m_i, l_i)
             warp_row = row_start + wg * 64 + warp * 16
 
             # The first tile: its scores alone (no P V yet), then its softmax.
