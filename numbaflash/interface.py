@@ -6,8 +6,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from numba.core.errors import NumbaError
+
 from . import _arrays, arguments, masks, tiling
+from .mods import NONE, Mods, check as check_mods
 from .kernels import compiled
+from .kernels import mods as kernel_mods
 from .kernels.mma import backward as mma_backward, forward as mma_forward
 from .kernels.simt import backward as simt_backward, forward as simt_forward
 from .kernels.wgmma import forward as wgmma_forward, ws_forward as wgmma_ws_forward
@@ -36,6 +40,8 @@ class Call:
     left: int
     right: int
     single_head: bool
+    mods: Mods = NONE
+    mod_values: tuple = ()  # the kernels' ``mod`` argument (`kernels.mods.values`)
 
     @property
     def device(self):
@@ -57,8 +63,13 @@ def _check_scale(softmax_scale, headdim):
     return scale
 
 
-def inspect(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), names=("q", "k", "v")):
-    """Validate a call and describe it; ValueError/TypeError messages name the problem and what is accepted."""
+def inspect(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), names=("q", "k", "v"), modifications=None,
+            backward=False):
+    """Validate a call and describe it; ValueError/TypeError messages name the problem and what is accepted.
+
+    ``modifications``: the keyword arguments of `MODIFICATIONS` (`numbaflash.mods`); ``backward``: whether
+    the call differentiates through them.
+    """
     nq, nk, nv = names
     on_host = [isinstance(x, np.ndarray) for x in (q, k, v)]
     on_device = [not h and _arrays.is_device_array(x) for h, x in zip(on_host, (q, k, v))]
@@ -99,7 +110,36 @@ def inspect(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), nam
     arguments.flag(causal, "causal")
     left, right = masks.normalize_window(causal, arguments.window(window_size))
     scale = _check_scale(softmax_scale, headdim)
-    return Call(*ops, batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, dtypes[0], scale, left, right, single_head)
+    call = Call(*ops, batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, dtypes[0], scale, left, right, single_head)
+    modifications = {**MODIFICATIONS, **(modifications or {})}
+    modified, softcap, slopes, mod_args = check_mods(**modifications, describe=_boundary_array(call), batch=batch,
+                                                     nheads=nheads, backward=backward)
+    if slopes is not None and len(slopes.shape) == 1:
+        slopes = _arrays.describe(slopes.obj[None, :], "alibi_slopes")  # (1, nheads): one row for every batch element
+    call.mods = modified
+    call.mod_values = kernel_mods.values(modified, softcap, slopes, mod_args, _accumulator_scalar(call))
+    return call
+
+
+# The modification keyword arguments of attention and attention_backward, and their defaults (off).
+MODIFICATIONS = dict(softcap=0.0, alibi_slopes=None, score_mod=None, score_mod_grad=None, mask_mod=None, mod_args=())
+
+
+def _boundary_array(call):
+    """`_arrays.describe` for the call's extra arrays (slopes, mod_args): on q's side (host or device) and device."""
+    def describe(x, name):
+        if isinstance(x, np.ndarray) != (call.q.kind == "numpy"):
+            raise TypeError(f"{name} must be an array of the same kind as q ({call.q.kind}: on the "
+                            f"{'host' if call.q.kind == 'numpy' else 'GPU'}); got {type(x).__module__}.{type(x).__name__}")
+        op = _arrays.describe(x, name)
+        if op.device != call.device:
+            raise ValueError(f"{name} is on device {op.device}, q on device {call.device}: put them on one device")
+        return op
+    return describe
+
+
+def _accumulator_scalar(call):
+    return np.float64 if call.dtype == "float64" else np.float32
 
 
 def _plan_for(call, backward, device=None):
@@ -141,7 +181,8 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), bac
         return _plan_for(call, backward, device)
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False, plan=None):
+def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False, plan=None,
+              softcap=0.0, alibi_slopes=None, score_mod=None, score_mod_grad=None, mask_mod=None, mod_args=()):
     """Exact softmax attention, computed tile by tile without writing the score matrix to memory.
 
     Args:
@@ -155,6 +196,16 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         window_size: ``(left, right)`` sliding window, -1 for unbounded; causal sets right = 0.
         return_lse: also return the log-sum-exp of each row.
         plan: a `plan(...)` for this call, to choose the kernel's blocks explicitly.
+        softcap: scores become ``softcap * tanh(score / softcap)`` after scaling; 0 (the default) is off.
+        alibi_slopes: float32 ``(nheads,)`` or ``(batch, nheads)``: adds ``-slope * |i + seqlen_k - seqlen_q - j|``
+            to the score of query i and key j.
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx, *mod_args)``, a Python function Numba compiles into
+            the kernel, returning the new score (after scaling, softcap and ALiBi).
+        score_mod_grad: its derivative by ``score``, same arguments: needed by `attention_backward`.
+        mask_mod: ``mask_mod(b, h, q_idx, kv_idx, *mod_args)``, True where the key is visible (on top of
+            causal and window_size).
+        mod_args: arrays (of q's kind and device: integers, bools, float32 or float64) the functions read.
+            See `numbaflash.mods` for the order and the limits.
 
     Returns:
         out with q's shape and dtype; with ``return_lse``, also lse ``(batch, nheads, seqlen_q)`` (``(seqlen_q,)``
@@ -163,7 +214,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         device, computed on that library's current stream.
     """
     arguments.flag(return_lse, "return_lse")
-    call = inspect(q, k, v, causal, softmax_scale, window_size)
+    call = inspect(q, k, v, causal, softmax_scale, window_size, modifications=dict(
+        softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod, score_mod_grad=score_mod_grad,
+        mask_mod=mask_mod, mod_args=mod_args))
     with _device_context(call):
         plan = _check_plan(plan, call, "forward") if plan is not None else _plan_for(call, backward=False)
         out = _arrays.empty(call.q, (call.batch, call.seqlen_q, call.nheads, call.headdim), call.dtype)
@@ -175,8 +228,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
 
 
 def _scale_arg(call):
-    """softmax_scale * log2(e) in the accumulator type: the kernels work in base 2."""
-    return (np.float64 if call.dtype == "float64" else np.float32)(call.softmax_scale * LOG2E)
+    """softmax_scale * log2(e) in the accumulator type: the kernels work in base 2; softmax_scale itself for
+    modified scores, which the modifications take in natural units (`kernels.mods`)."""
+    scale = call.softmax_scale if call.mods.active else call.softmax_scale * LOG2E
+    return _accumulator_scalar(call)(scale)
 
 
 BUILDERS = {
@@ -193,14 +248,22 @@ BUILDERS = {
 }
 
 
-def kernel_for(plan, launch):
-    """The `compiled.Kernel` that runs ``launch``, one of ``plan.launches``."""
-    return compiled.kernel(BUILDERS[launch.kernel], plan.headdim_padded, plan.tiles, plan.dtype, launch.threads)
+def kernel_for(plan, launch, modified=NONE):
+    """The `compiled.Kernel` that runs ``launch``, one of ``plan.launches``, with the modifications ``modified``."""
+    return compiled.kernel(BUILDERS[launch.kernel], plan.headdim_padded, plan.tiles, plan.dtype, launch.threads,
+                           modified)
 
 
-def _launch(plan, index, stream, *args):
+def _launch(plan, index, stream, modified, *args):
     launch = plan.launches[index]
-    kernel_for(plan, launch).launch(launch.grid, launch.threads, launch.smem_bytes, stream, *args)
+    kernel = kernel_for(plan, launch, modified)
+    try:
+        kernel.launch(launch.grid, launch.threads, launch.smem_bytes, stream, *args)
+    except NumbaError as error:
+        if not modified.user_functions:
+            raise
+        raise TypeError(f"{launch.kernel} did not compile with {modified.describe()}: "
+                        + " ".join(str(error).split())[:800]) from None
 
 
 def vector_staging(plan, *operands):
@@ -219,17 +282,17 @@ def run_forward(call, plan, out, lse):
     tiling.check_copy_engine(plan.tiles, vec)
     if isinstance(plan.tiles, tiling.WgmmaTiles) and plan.tiles.producer:
         args.append(wgmma_ws_forward.tensor_map_args(call.q, call.k, call.v, plan.tiles))
-    _launch(plan, 0, _arrays.stream_of(call.q), *args)
+    _launch(plan, 0, _arrays.stream_of(call.q), call.mods, *args, call.mod_values)
 
 
 def run_backward(call, plan, dout, lse, out, delta, dq, dk, dv):
     """Launch the three backward kernels of ``plan`` on one stream; ``delta`` is the O(N) workspace."""
     stream = _arrays.stream_of(call.q)
     q, k, v = call.q, call.k, call.v
-    extra = (_scale_arg(call), call.left, call.right, vector_staging(plan, q, k, v, dout))
-    _launch(plan, 0, stream, out, dout, delta)
-    _launch(plan, 1, stream, q, k, v, dout, lse, delta, dk, dv, *extra)
-    _launch(plan, 2, stream, q, k, v, dout, lse, delta, dq, *extra)
+    extra = (_scale_arg(call), call.left, call.right, vector_staging(plan, q, k, v, dout), call.mod_values)
+    _launch(plan, 0, stream, NONE, out, dout, delta)
+    _launch(plan, 1, stream, call.mods, q, k, v, dout, lse, delta, dk, dv, *extra)
+    _launch(plan, 2, stream, call.mods, q, k, v, dout, lse, delta, dq, *extra)
 
 
 def _check_like(op, want, name, like_name):
@@ -239,7 +302,8 @@ def _check_like(op, want, name, like_name):
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                       plan=None):
+                       plan=None, softcap=0.0, alibi_slopes=None, score_mod=None, score_mod_grad=None, mask_mod=None,
+                       mod_args=()):
     """Gradients of `attention` by recomputation from the saved log-sum-exp; deterministic.
 
     Args:
@@ -247,13 +311,17 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         q, k, v, causal, softmax_scale, window_size: as passed to `attention`.
         out, lse: `attention`'s outputs (``return_lse=True``).
         plan: a ``plan(..., backward=True)`` for this call.
+        softcap, alibi_slopes, score_mod, score_mod_grad, mask_mod, mod_args: as passed to `attention`; with a
+            ``score_mod``, ``score_mod_grad`` is required.
 
     Returns:
         ``(dq, dk, dv)`` with the shapes and dtypes of q, k, v. For GQA, dk and dv sum over the query
         heads of each group. No atomics: repeated calls return bitwise identical gradients. Extra
         memory: one float32 (float64 for float64) value per query row and head.
     """
-    call = inspect(q, k, v, causal, softmax_scale, window_size)
+    call = inspect(q, k, v, causal, softmax_scale, window_size, modifications=dict(
+        softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod, score_mod_grad=score_mod_grad,
+        mask_mod=mask_mod, mod_args=mod_args), backward=True)
     if call.single_head:
         for x, name, ndim in ((dout, "dout", 2), (out, "out", 2), (lse, "lse", 1)):
             if len(getattr(x, "shape", ())) != ndim:
@@ -293,12 +361,15 @@ def _compared(standard, flash):
     return f"{ratio:.1f}x more" if ratio >= 1 else f"{1 / ratio:.1f}x less"
 
 
-def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), backward=False):
+def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), backward=False, softcap=0.0,
+            alibi_slopes=None, score_mod=None, score_mod_grad=None, mask_mod=None, mod_args=()):
     """Which kernel runs for this call and why, its plan, and its HBM traffic as `sim` predicts it."""
     import sim
 
-    call = inspect(q, k, v, causal, softmax_scale, window_size)
     arguments.flag(backward, "backward")
+    call = inspect(q, k, v, causal, softmax_scale, window_size, modifications=dict(
+        softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod, score_mod_grad=score_mod_grad,
+        mask_mod=mask_mod, mod_args=mod_args), backward=backward)
     with _device_context(call):
         the_plan = _plan_for(call, backward)
     sizes = dict(seqlen_k=call.seqlen_k, batch=call.batch, nheads=call.nheads, nheads_kv=call.nheads_kv,
@@ -315,11 +386,19 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
         f"seqlen_k {call.seqlen_k}, heads {heads}, headdim {call.headdim}, {call.dtype}, {mask}",
         the_plan.describe(),
         f"staging     {staging}",
+        f"modified    {_modifications_line(call.mods)}",
         f"HBM traffic (sim closed form for this plan): {_mib(flash['total_bytes'])} "
         f"(reads {flash['reads']:,}, writes {flash['writes']:,} elements)",
         f"standard attention (S and P through HBM):   {_mib(standard['total_bytes'])}, {_compared(standard, flash)}",
         *_on_the_gpu(call, the_plan, causal, window_size),
     ])
+
+
+def _modifications_line(modified):
+    if not modified.active:
+        return "none (no softcap, ALiBi, score_mod or mask_mod)"
+    return (f"{modified.describe()}, compiled into the kernels: every visible score goes through them in natural "
+            "units (the traffic below leaves out the slopes and mod_args they read, which the caches serve)")
 
 
 EXPLAIN_TILE_VISITS = 500_000  # about 5 s of `sim.hardware.predict`: explain skips (and says so) past this

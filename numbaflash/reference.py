@@ -30,6 +30,7 @@ window_size = (1, 0) with seqlen_q = seqlen_k = 4 (each query sees itself and on
 
 import numpy as np
 
+from . import mods
 from .masks import key_range, normalize_window
 
 
@@ -44,16 +45,21 @@ def visible_mask(seqlen_q, seqlen_k, causal=False, window_size=(-1, -1)):
     return mask
 
 
-def _scores(q, k, softmax_scale, causal, window_size):
-    """Scaled, masked scores ``(batch, nheads, seqlen_q, seqlen_k)``, -inf where hidden."""
+def _scores(q, k, softmax_scale, causal, window_size, modifications=None):
+    """Scaled, modified, masked scores ``(batch, nheads, seqlen_q, seqlen_k)``, -inf where hidden, and the
+    derivative of the modified scores by the scaled ones (`mods.modify`)."""
     batch, seqlen_q, nheads, headdim = q.shape
     _, seqlen_k, nheads_kv, _ = k.shape
     if softmax_scale is None:
         softmax_scale = 1.0 / np.sqrt(headdim)
     k_per_q_head = np.repeat(k, nheads // nheads_kv, axis=2)  # (batch, seqlen_k, nheads, headdim)
     s = _heads_first(q) @ _heads_first(k_per_q_head).swapaxes(-1, -2) * softmax_scale
-    mask = visible_mask(seqlen_q, seqlen_k, causal, window_size)
-    return np.where(mask, s, -np.inf)
+    modifications = dict(modifications or {})
+    mask_mod = modifications.pop("mask_mod", None)
+    s, ds = mods.modify(s, **modifications)
+    mask = visible_mask(seqlen_q, seqlen_k, causal, window_size) & mods.visible(mask_mod, s.shape,
+                                                                                  modifications.get("mod_args", ()))
+    return np.where(mask, s, -np.inf), (None if ds is None else np.where(mask, ds, 0))
 
 
 def _probabilities(s):
@@ -77,13 +83,15 @@ def _heads_first(x):
     return x.transpose(0, 2, 1, 3)
 
 
-def attention_probabilities(q, k, causal=False, softmax_scale=None, window_size=(-1, -1), precision=np.float64):
+def attention_probabilities(q, k, causal=False, softmax_scale=None, window_size=(-1, -1), precision=np.float64,
+                            **modifications):
     """The attention matrix P ``(batch, nheads, seqlen_q, seqlen_k)`` (rows of zeros where no key is visible)."""
     q, k = _as(precision, q, k)
-    return _probabilities(_scores(q, k, softmax_scale, causal, window_size))[0]
+    return _probabilities(_scores(q, k, softmax_scale, causal, window_size, modifications)[0])[0]
 
 
-def attention_forward(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), precision=np.float64):
+def attention_forward(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), precision=np.float64,
+                      **modifications):
     """Exact attention in float64.
 
     Args:
@@ -95,25 +103,29 @@ def attention_forward(q, k, v, causal=False, softmax_scale=None, window_size=(-1
         window_size: ``(left, right)``, -1 for unbounded.
         precision: float64; ``np.longdouble`` (x86's 80-bit extended) makes a truth finer than float64
             itself, to judge float64 kernels by.
+        modifications: ``softcap``, ``alibi_slopes``, ``score_mod``, ``mask_mod``, ``mod_args`` (NumPy
+            arrays), as `numbaflash.attention` takes them (`numbaflash.mods`).
 
     Returns:
         out ``(batch, seqlen_q, nheads, headdim)`` and lse ``(batch, nheads, seqlen_q)`` in ``precision``,
         the natural log of each row's softmax denominator (``-inf`` for a row that sees no key).
     """
     q, k, v = _as(precision, q, k, v)
-    s = _scores(q, k, softmax_scale, causal, window_size)
+    s, _ = _scores(q, k, softmax_scale, causal, window_size, modifications)
     p, lse = _probabilities(s)  # p: (batch, nheads, seqlen_q, seqlen_k)
     v_per_q_head = np.repeat(v, q.shape[2] // v.shape[2], axis=2)
     out = _heads_first(p @ _heads_first(v_per_q_head))
     return out, lse
 
 
-def attention_backward(dout, q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), precision=np.float64):
+def attention_backward(dout, q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), precision=np.float64,
+                       **modifications):
     """Gradients of `attention_forward`'s output in float64, by materializing P.
 
     Args:
         dout: ``(batch, seqlen_q, nheads, headdim)``, the gradient of the output.
-        q, k, v, causal, softmax_scale, window_size, precision: as in `attention_forward`.
+        q, k, v, causal, softmax_scale, window_size, precision, modifications: as in `attention_forward`
+            (with ``score_mod``, also ``score_mod_grad``, its derivative).
 
     Returns:
         dq ``(batch, seqlen_q, nheads, headdim)``, dk and dv ``(batch, seqlen_k, nheads_kv, headdim)``;
@@ -125,14 +137,14 @@ def attention_backward(dout, q, k, v, causal=False, softmax_scale=None, window_s
     group = nheads // nheads_kv
     if softmax_scale is None:
         softmax_scale = 1.0 / np.sqrt(headdim)
-    s = _scores(q, k, softmax_scale, causal, window_size)
+    s, ds_modified = _scores(q, k, softmax_scale, causal, window_size, modifications)
     p, _ = _probabilities(s)  # (batch, nheads, seqlen_q, seqlen_k)
     k_h, v_h = (_heads_first(np.repeat(x, group, axis=2)) for x in (k, v))  # (batch, nheads, seqlen_k, headdim)
     q_h, do_h = _heads_first(q), _heads_first(dout)  # (batch, nheads, seqlen_q, headdim)
     dv_h = _heads_first(p.swapaxes(-1, -2) @ do_h)  # (batch, seqlen_k, nheads, headdim)
     dp = do_h @ v_h.swapaxes(-1, -2)  # (batch, nheads, seqlen_q, seqlen_k)
     delta = (p * dp).sum(axis=-1, keepdims=True)  # rowsum(dO * O), (batch, nheads, seqlen_q, 1)
-    ds = p * (dp - delta) * softmax_scale
+    ds = p * (dp - delta) * ds_modified * softmax_scale
     dq = _heads_first(ds @ k_h)
     dk_h = _heads_first(ds.swapaxes(-1, -2) @ q_h)
     dk = dk_h.reshape(batch, seqlen_k, nheads_kv, group, headdim).sum(axis=3)

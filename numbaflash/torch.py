@@ -44,28 +44,54 @@ class Attention(torch.autograd.Function):
     """out = softmax(scale Q K^T + mask) V; saves q, k, v, out and the log-sum-exp for the backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, window_size):
-        out, lse = _to_tensors(interface.attention(*_to_arrays((q, k, v)), causal=causal, softmax_scale=softmax_scale,
-                                                   window_size=window_size, return_lse=True), q)
+    def forward(ctx, q, k, v, causal, softmax_scale, window_size, modifications):
+        ctx.options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                           **_modification_arrays(modifications))
+        out, lse = _to_tensors(interface.attention(*_to_arrays((q, k, v)), return_lse=True, **ctx.options), q)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         grads = interface.attention_backward(*_to_arrays((dout, q, k, v, out, lse)), **ctx.options)
-        return (*_to_tensors(grads, q), None, None, None)
+        return (*_to_tensors(grads, q), None, None, None, None)
 
 
-def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1)):
-    """Differentiable `numbaflash.attention` on torch tensors; shapes, dtypes and masks as there.
+def _modification_arrays(modifications):
+    """The modifications with their tensors (alibi_slopes, mod_args) as the arrays the kernels read."""
+    out = dict(modifications)
+    if out.get("alibi_slopes") is not None:
+        out["alibi_slopes"] = _to_arrays((out["alibi_slopes"],))[0]
+    out["mod_args"] = tuple(_to_arrays(tuple(out["mod_args"]))) if out["mod_args"] else ()
+    return out
+
+
+def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+              score_mod=None, score_mod_grad=None, mask_mod=None, mod_args=()):
+    """Differentiable `numbaflash.attention` on torch tensors; shapes, dtypes, masks and modifications as there.
 
     q ``(batch, seqlen_q, nheads, headdim)``, k and v ``(batch, seqlen_k, nheads_kv, headdim)``; returns
-    out shaped like q. Gradients flow to q, k and v.
+    out shaped like q. Gradients flow to q, k and v (not to alibi_slopes or mod_args); a score_mod needs
+    its score_mod_grad when a gradient is asked for.
     """
     for x, name in ((q, "q"), (k, "k"), (v, "v")):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"numbaflash.torch.attention takes torch tensors; {name} is a {type(x).__module__}."
                             f"{type(x).__name__} (use numbaflash.attention for CuPy or NumPy arrays)")
-    return Attention.apply(q, k, v, causal, softmax_scale, arguments.window(window_size))
+    tensors = ([("alibi_slopes", alibi_slopes)] if alibi_slopes is not None else [])
+    if not isinstance(mod_args, (tuple, list)):
+        raise TypeError(f"mod_args must be a tuple of torch tensors; got {type(mod_args).__name__}")
+    tensors += [(f"mod_args[{i}]", x) for i, x in enumerate(mod_args)]
+    for name, x in tensors:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"numbaflash.torch.attention takes torch tensors; {name} is a {type(x).__module__}."
+                            f"{type(x).__name__}")
+    arguments.flag(causal, "causal")
+    if score_mod is not None and score_mod_grad is None and torch.is_grad_enabled() and any(
+            x.requires_grad for x in (q, k, v)):
+        raise ValueError("a gradient through score_mod needs score_mod_grad(score, b, h, q_idx, kv_idx, *mod_args): "
+                         "d score_mod / d score (numbaflash does not differentiate Python)")
+    modifications = dict(softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod,
+                         score_mod_grad=score_mod_grad, mask_mod=mask_mod, mod_args=tuple(mod_args))
+    return Attention.apply(q, k, v, causal, softmax_scale, arguments.window(window_size), modifications)

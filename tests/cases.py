@@ -21,6 +21,7 @@ import ml_dtypes
 import numpy as np
 from hypothesis import strategies as st
 
+import numbaflash.mods
 from numbaflash import reference
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -42,6 +43,7 @@ class Case:
     softmax_scale: float = None
     logit_scale: float = 1.0  # multiplies the default softmax scale: large values give extreme logits
     seed: int = 0
+    modifications: dict = None  # softcap, alibi_slopes, score_mod, ... as `numbaflash.attention` takes them (NumPy)
 
     @property
     def scale(self):
@@ -50,6 +52,15 @@ class Case:
     @property
     def mask(self):
         return dict(causal=self.causal, window_size=self.window_size)
+
+    def options(self, to_device=None):
+        """The mask and modification keyword arguments of a call; arrays through ``to_device`` when given."""
+        mods = dict(self.modifications or {})
+        if to_device is not None:
+            if mods.get("alibi_slopes") is not None:
+                mods["alibi_slopes"] = to_device(mods["alibi_slopes"])
+            mods["mod_args"] = tuple(to_device(a) for a in mods.get("mod_args", ()))
+        return {**self.mask, **mods}
 
 
 @st.composite
@@ -124,14 +135,27 @@ def _naive_probabilities(q, k, v, case):
     vh = np.repeat(v, group, axis=2).astype(ct)
     qs = _round(q.astype(ct) * ct(case.scale), case.dtype).astype(ct)
     s = _round(_bmm(qs, kh, "ij"), case.dtype).astype(ct)
-    mask = reference.visible_mask(case.seqlen_q, case.seqlen_k, **case.mask)
+    s, dmod, mask = _naive_modified(s, case)
     s = np.where(mask, s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0)
     e = np.exp(s - m)
     total = e.sum(axis=-1, keepdims=True)
     p = _round(e / np.where(total > 0, total, 1), case.dtype).astype(ct)
-    return ct, kh, vh, qs, p, m, total
+    return ct, kh, vh, qs, p, m, total, dmod
+
+
+def _naive_modified(s, case):
+    """The case's modifications on the naive scores ``s`` in their precision: (modified, derivative, mask)."""
+    mods = dict(case.modifications or {})
+    mask_mod = mods.pop("mask_mod", None)
+    mask = reference.visible_mask(case.seqlen_q, case.seqlen_k, **case.mask)
+    if not case.modifications:
+        return s, np.ones_like(s), mask
+    modified, dmod = numbaflash.mods.modify(s, **mods)
+    visible = mask & numbaflash.mods.visible(mask_mod, s.shape, mods.get("mod_args", ()))
+    dmod = np.ones_like(s) if dmod is None else np.where(visible, dmod, 0)
+    return modified.astype(s.dtype), dmod.astype(s.dtype), visible
 
 
 def naive_forward(q, k, v, case):
@@ -140,7 +164,7 @@ def naive_forward(q, k, v, case):
     Like flash-attn's ``attention_ref(upcast=False)``: q is scaled in its dtype, matrix products
     accumulate in float32 and round to the dtype, the softmax runs in float32 on the rounded scores.
     """
-    ct, _, vh, _, p, m, total = _naive_probabilities(q, k, v, case)
+    ct, _, vh, _, p, m, total, _ = _naive_probabilities(q, k, v, case)
     out = _round(_bmm(p, vh, "pv"), case.dtype)
     with np.errstate(divide="ignore"):
         lse = (m + np.log(total))[..., 0].astype(ct)
@@ -153,7 +177,7 @@ def truth(case):
 
 
 def reference_forward(q, k, v, case):
-    return reference.attention_forward(q, k, v, softmax_scale=case.scale, precision=truth(case), **case.mask)
+    return reference.attention_forward(q, k, v, softmax_scale=case.scale, precision=truth(case), **case.options())
 
 
 def errors(got, want):
@@ -195,7 +219,7 @@ def check_forward(case, attention, to_device, to_host):
     """Run ``attention`` on ``case`` and hold its output and LSE to flash-attn's rule."""
     q, k, v = inputs(case)
     out, lse = attention(to_device(q), to_device(k), to_device(v), softmax_scale=case.scale, return_lse=True,
-                         **case.mask)
+                         **case.options(to_device))
     out, lse = to_host(out), to_host(lse)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == (case.batch, case.nheads, case.seqlen_q)
@@ -215,12 +239,12 @@ def naive_backward(dout, q, k, v, case):
     Each product accumulates in float32 and rounds to the dtype; the softmax backward
     dS = P * (dP - rowsum(P * dP)) runs in float32 on rounded P and dP; GQA sums in float32.
     """
-    ct, kh, vh, qs, p, _, _ = _naive_probabilities(q, k, v, case)
+    ct, kh, vh, qs, p, _, _, dmod = _naive_probabilities(q, k, v, case)
     group = case.nheads // case.nheads_kv
     do = dout.astype(ct)
     dv_h = _round(_bmm(p, do, "tv"), case.dtype).astype(ct)
     dp = _round(_bmm(do, vh, "ij"), case.dtype).astype(ct)
-    ds = _round(p * (dp - (p * dp).sum(axis=-1, keepdims=True)), case.dtype).astype(ct)
+    ds = _round(p * (dp - (p * dp).sum(axis=-1, keepdims=True)) * dmod, case.dtype).astype(ct)
     dqs = _round(_bmm(ds, kh, "pv"), case.dtype).astype(ct)
     dq = _round(dqs * ct(case.scale), case.dtype)
     dk_h = _round(_bmm(ds, qs, "tv"), case.dtype).astype(ct)
@@ -233,9 +257,11 @@ def check_backward(case, attention, attention_backward, to_device, to_host):
     """Run forward and backward on ``case`` and hold dq, dk, dv to flash-attn's rule."""
     q, k, v, dout = inputs(case, extra=[(case.batch, case.seqlen_q, case.nheads, case.headdim)])
     dev = [to_device(x) for x in (q, k, v, dout)]
-    out, lse = attention(*dev[:3], softmax_scale=case.scale, return_lse=True, **case.mask)
-    grads = attention_backward(dev[3], *dev[:3], out, lse, softmax_scale=case.scale, **case.mask)
-    want = reference.attention_backward(dout, q, k, v, softmax_scale=case.scale, precision=truth(case), **case.mask)
+    options = case.options(to_device)
+    out, lse = attention(*dev[:3], softmax_scale=case.scale, return_lse=True, **options)
+    grads = attention_backward(dev[3], *dev[:3], out, lse, softmax_scale=case.scale, **options)
+    want = reference.attention_backward(dout, q, k, v, softmax_scale=case.scale, precision=truth(case),
+                                        **case.options())
     naive = naive_backward(dout, q, k, v, case)
     # One ulp at the gradients' common scale: with a single key dq and dk are exactly zero, naive
     # attention gets exact zeros, and the kernel's D = rowsum(dO * O) and dP = dO V^T, summed in

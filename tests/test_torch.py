@@ -45,3 +45,25 @@ def test_bfloat16_tensors_round_trip(device):
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
     want, _ = reference.attention_forward(*(x.float().cpu().numpy() for x in (q, k, v)))
     np.testing.assert_allclose(out.float().cpu().numpy(), want, atol=2e-2)
+
+
+def test_gradcheck_float64_through_the_modifications(device):
+    """softcap, ALiBi, a score_mod with its derivative and a mask_mod, all at once: autograd's numerical
+    gradients agree with the backward's chain rule (`numbaflash.mods`)."""
+    from test_mods import prefix_lm, tempered, tempered_grad
+
+    case = Case(1, 6, 5, 2, 1, 4, "float64", seed=14)
+    q, k, v = (torch.tensor(x, device=device, requires_grad=True) for x in inputs(case))
+    modifications = dict(softcap=2.0, alibi_slopes=torch.tensor([0.3, 0.7], dtype=torch.float32, device=device),
+                         score_mod=tempered, score_mod_grad=tempered_grad, mask_mod=prefix_lm,
+                         mod_args=(torch.tensor([2], device=device), torch.tensor([0.5, 1.5], device=device)))
+    assert torch.autograd.gradcheck(lambda *a: nf_torch.attention(*a, **modifications), (q, k, v), eps=1e-6,
+                                    atol=1e-8, fast_mode=device == "cpu")
+
+
+def test_a_score_mod_without_its_derivative_is_refused_when_a_gradient_is_wanted(device):
+    q = torch.zeros((1, 4, 1, 8), device=device, requires_grad=True)
+    with pytest.raises(ValueError, match="needs score_mod_grad"):
+        nf_torch.attention(q, q, q, score_mod=lambda s, b, h, i, j: s * 2)
+    with torch.no_grad():
+        assert nf_torch.attention(q, q, q, score_mod=lambda s, b, h, i, j: s * 2).shape == q.shape

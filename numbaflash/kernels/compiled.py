@@ -1,6 +1,6 @@
 """Compile each kernel specialization once, and launch it with its plan's resources.
 
-A specialization is (kernel builder, padded head dim, tiles, storage dtype); its sizes are compile-time
+A specialization is (kernel builder, padded head dim, tiles, storage dtype, `mods.Mods`); its sizes are compile-time
 constants, so each one is a separate compile, kept for the life of the process and, on a GPU, on disk
 (`disk_cache`): a new process loads the cubin instead of compiling.
 
@@ -22,6 +22,7 @@ from numba import cuda, types
 from numba.np.numpy_support import as_dtype
 
 from . import disk_cache
+from ..mods import NONE
 from .intrinsics import SIMULATOR
 
 SIMULATOR_SWITCH_INTERVAL = 3e-4  # seconds, while a simulated kernel runs
@@ -31,18 +32,36 @@ _SCALARS = {types.float32: ctypes.c_float, types.float64: ctypes.c_double, types
 
 
 @functools.lru_cache(maxsize=None)
-def kernel(build, D, tiles, storage, threads):
-    """The `Kernel` for ``build(D, tiles, storage)``, compiled for blocks of ``threads`` threads.
+def kernel(build, D, tiles, storage, threads, mods=NONE):
+    """The `Kernel` for ``build(D, tiles, storage, mods)``, compiled for blocks of ``threads`` threads.
 
     Blocks of more than 256 threads get launch bounds, which cap ptxas at 65536 / threads registers so
     the block can launch at all. Smaller blocks get none: under a bound of 256 the H200's JIT capped
     kernels at 128 registers and spilled (8 to 32 bytes of local memory); ptxas's own limit of 255
     registers already lets a 256-thread block launch.
     """
-    fn, signature = build(D, tiles, storage)
+    fn, signature = build(D, tiles, storage, mods)
     launch_bounds = threads if threads > 256 and not SIMULATOR else None
-    specialization = (build.__module__, build.__qualname__, D, repr(tiles), storage, launch_bounds)
+    # A kernel that calls the user's functions is not cached on disk: their code and globals can change
+    # between processes under the same name.
+    specialization = None if mods.user_functions else (build.__module__, build.__qualname__, D, repr(tiles), storage,
+                                                       launch_bounds, mods.softcap, mods.alibi)
     return Kernel(fn, signature, launch_bounds, specialization)
+
+
+def _flat(types_and_values):
+    """Kernel parameters in numba's ABI order: a tuple argument is its members, one after another."""
+    for t, value in types_and_values:
+        if isinstance(t, types.BaseTuple):
+            yield from _flat(zip(t, value))
+        else:
+            yield t, value
+
+
+def _simulator_view(t, a):
+    if isinstance(t, types.BaseTuple):
+        return tuple(_simulator_view(member, x) for member, x in zip(t, a))
+    return a.kernel_view(as_dtype(t.dtype)) if isinstance(t, types.Array) else a
 
 
 class Kernel:
@@ -54,17 +73,15 @@ class Kernel:
         self._launch_bounds = launch_bounds
         self._specialization = specialization
         self.signature = signature
-        # A kernel array argument's dtype (the operand is viewed as it: float16 and bfloat16 as uint16
-        # bits where the kernel takes them so), or a scalar's C type.
-        self.dtypes = [as_dtype(t.dtype) if isinstance(t, types.Array) else None for t in signature]
-        self.scalars = [None if isinstance(t, types.Array) else _SCALARS[t] for t in signature]
         self._functions = {}  # device ordinal -> cuda.core kernel, with its dynamic shared memory raised
 
     def launch(self, grid, threads, smem_bytes, stream, *args):
         """Run on ``grid`` blocks of ``threads`` threads with ``smem_bytes`` of dynamic shared memory, on
-        ``stream`` (an `_arrays.Stream`); array arguments are `_arrays.Operand`s, scalars numbers."""
+        ``stream`` (an `_arrays.Stream`); array arguments are `_arrays.Operand`s (viewed as the kernel's
+        dtype: float16 and bfloat16 as uint16 bits where it takes them so), scalars numbers, a tuple
+        argument a tuple of those."""
         if SIMULATOR:
-            views = [a.kernel_view(dtype) if dtype is not None else a for a, dtype in zip(args, self.dtypes)]
+            views = [_simulator_view(t, a) for t, a in zip(self.signature, args)]
             # The simulator's block manager busy-polls its threads; under Python's default 5 ms switch
             # interval the polling starves the simulated threads. 0.3 ms ran the kernel tests about 3x faster.
             previous = sys.getswitchinterval()
@@ -77,14 +94,14 @@ class Kernel:
         from cuda.core import LaunchConfig, launch
 
         params = []
-        for a, dtype, scalar in zip(args, self.dtypes, self.scalars):
-            if dtype is None:
-                params.append(scalar(a))
-            else:
+        for t, a in _flat(zip(self.signature, args)):
+            if isinstance(t, types.Array):
                 nitems = 1
                 for n in a.shape:
                     nitems *= n
-                params += (0, 0, nitems, dtype.itemsize, a.ptr, *a.shape, *a.strides)
+                params += (0, 0, nitems, as_dtype(t.dtype).itemsize, a.ptr, *a.shape, *a.strides)
+            else:
+                params.append(_SCALARS[t](a))
         function = self._function(stream.device, smem_bytes)
         launch(stream, LaunchConfig(grid=grid, block=threads, shmem_size=smem_bytes), function, *params)
 
@@ -110,7 +127,9 @@ class Kernel:
         return disk_cache.key(self._specialization + (cc, versions))
 
     def _load_or_compile(self):
-        """The CUfunction from the disk cache, else compiled (and stored)."""
+        """The CUfunction from the disk cache, else compiled (and stored, unless it has no cache key)."""
+        if self._specialization is None:
+            return self._library().get_cufunc()
         entry = self.cache_entry()
         stored = disk_cache.load(entry)
         if stored is not None:

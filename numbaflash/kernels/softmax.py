@@ -10,7 +10,11 @@ The steps, in the order a key tile goes through them (`sim.online_softmax` is th
 whole arrays), after ``start(acc, m_i, l_i)``, which sets a block's output to 0, its running maxima to
 -inf and its sums to 0:
 
-* ``mask(s, warp_row, g, t, n_start, seqlen_q, seqlen_k, left, right)``: hidden scores become -inf.
+* ``mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale, mod)``:
+  hidden scores become -inf (only a tile the causal/window edge or the sequence's end crosses pays for
+  it). With modifications (`kernels.mods`) every tile goes through it: visible scores become their
+  modified natural-log scores ``logit(scale * s)``, and hidden ones, including those ``mask_mod`` hides,
+  -inf; the steps after it then take log2(e) as their scale.
 * ``online_softmax(s, m_i, l_i, alpha, scale_log2)``: new running maxima ``m_i``, the factor ``alpha``
   by which earlier sums and outputs shrink, ``s`` exponentiated in place (``P``), and the running sums
   ``l_i`` (a lane's partial sum; the quad adds them at the end). Scores stay raw: ``softmax_scale *
@@ -31,12 +35,16 @@ import math
 
 
 import numpy as np
+from numba import types
 
 from .. import masks
+from ..mods import NONE
 from .intrinsics import device_function, ex2, group_max, group_sum
 from .fragments import fill, lane_row
+from .mods import modifiers
 
 ZERO, ONE, NEG_INF, LN2 = np.float32(0), np.float32(1), np.float32(-np.inf), np.float32(math.log(2.0))
+LOG2E = np.float32(math.log2(math.e))
 
 
 @device_function
@@ -46,10 +54,17 @@ def effective_scale(scale_log2):
     return abs(scale_log2) if scale_log2 != ZERO else ONE
 
 
-def steps(M, NT, DT):
+def steps(M, NT, DT, mods=NONE):
     """``(start, mask, online_softmax, rescale_o, finish, write_lse)`` for ``M`` m-tiles of ``8 NT`` keys and ``8 DT``
-    output columns."""
+    output columns, with the modifications ``mods`` (`numbaflash.mods.Mods`)."""
     M_ROWS = 2 * M
+    MODIFIED, logit, _, visible, _ = modifiers(mods, types.float32)
+
+    @device_function
+    def logit_scale(scale):
+        """The scale the softmax multiplies scores by: the kernel's softmax_scale * log2(e), or log2(e) for the
+        natural-log scores `mask` leaves with modifications."""
+        return LOG2E if MODIFIED else scale
 
     @device_function
     def start(acc, m_i, l_i):
@@ -59,18 +74,30 @@ def steps(M, NT, DT):
             l_i[r] = ZERO
 
     @device_function
-    def mask(s, warp_row, g, t, n_start, seqlen_q, seqlen_k, left, right):
+    def mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale, mod):
+        if not MODIFIED and masks.tile_is_full(row_start, row_end, n_start, n_start + 8 * NT, seqlen_q, seqlen_k,
+                                               left, right):
+            return
         for r in range(M_ROWS):
             mi, half = r // 2, r % 2
-            lo_r, hi_r = masks.key_range(warp_row + lane_row(r, g), seqlen_q, seqlen_k, left, right)
+            row = warp_row + lane_row(r, g)
+            lo_r, hi_r = masks.key_range(row, seqlen_q, seqlen_k, left, right)
+            if row >= seqlen_q:  # rows past the sequence never reach the user's functions
+                hi_r = lo_r
             for j in range(NT):
                 for e in range(2):
                     key = n_start + 8 * j + 2 * t + e
+                    x = s[mi * NT + j, 2 * half + e]
                     if key < lo_r or key >= hi_r:
-                        s[mi * NT + j, 2 * half + e] = NEG_INF
+                        x = NEG_INF
+                    elif MODIFIED:
+                        x = (logit(x * scale, b, h, row, key, seqlen_k - seqlen_q, mod)
+                             if visible(b, h, row, key, mod) else NEG_INF)
+                    s[mi * NT + j, 2 * half + e] = x
 
     @device_function
     def online_softmax(s, m_i, l_i, alpha, scale_log2):
+        scale_log2 = logit_scale(scale_log2)
         if scale_log2 <= ZERO:  # uniform over the block: no cost to a positive scale but this test
             sign = -ONE if scale_log2 < ZERO else ZERO
             for j in range(M * NT):
@@ -112,6 +139,7 @@ def steps(M, NT, DT):
 
     @device_function
     def write_lse(lse, b, h, warp_row, g, t, m_i, l_i, scale_log2):
+        scale_log2 = logit_scale(scale_log2)
         for r in range(M_ROWS):
             row = warp_row + lane_row(r, g)
             if row < lse.shape[2] and t == 0:

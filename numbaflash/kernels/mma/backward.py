@@ -17,17 +17,18 @@ Registers bound the design: a warp keeps its 16 m_tiles x D dK and dV (or dQ) fr
 and a streamed tile is processed ``CHUNK`` columns at a time so that its S and dP fragments fit beside
 them (`chunk`). At headdim 256, dK and dV alone would take 256 registers per thread: the plan sends
 that head dim to the CUDA-core backward. P and dS are rounded to 16 bits as mma operands (as in
-flash-attn); LSE, D and every accumulator are float32.
+flash-attn); LSE, D and every accumulator are float32. With score modifications (`kernels.mods`) P is
+rebuilt from the modified scores and dS carries the modification's derivative (``dlogit``).
 """
-
-import math
 
 from numba import cuda, types
 
 from ... import masks
+from ...mods import NONE
 from ..blocks import key_block, query_block
 from ..intrinsics import cp_async_commit, cp_async_wait_all, cp_async_wait_one, device_function, ex2
 from ..fragments import fill, fragment_writer, lane_row
+from ..mods import kernel_type, modifiers
 from .tiles import lane_offsets, products, row_stride, stager
 from ..simt.backward import row_statistics
 
@@ -69,13 +70,14 @@ def smem_elements_dq(D, tiles):
     return layout_dq(D, tiles)[-1]
 
 
-def _signature(n_outputs):
+def _signature(n_outputs, mods):
     bits = types.Array(types.uint16, 4, "A")
     stat = types.Array(types.float32, 3, "A")
-    return (bits,) * 4 + (stat, stat) + (bits,) * n_outputs + (types.float32, types.int64, types.int64, types.boolean)
+    return ((bits,) * 4 + (stat, stat) + (bits,) * n_outputs
+            + (types.float32, types.int64, types.int64, types.boolean, kernel_type(mods, types.float32)))
 
 
-def build_dkdv(D, tiles, storage):
+def build_dkdv(D, tiles, storage, mods=NONE):
     BLOCK_M, BLOCK_N, WARPS, M = tiles.block_m, tiles.block_n, tiles.warps, tiles.m_tiles
     ROWS = 16 * M  # keys per warp, of the block's BLOCK_M; BLOCK_N queries per streamed tile
     THREADS, LD, CHUNK = 32 * WARPS, row_stride(D), chunk(tiles)
@@ -88,7 +90,8 @@ def build_dkdv(D, tiles, storage):
     scores, accumulate = products(CHUNK, D, storage, M)
     write_grad = fragment_writer(D, storage)
     statistics = row_statistics(types.float32)
-    ZERO, ONE, LN2 = types.float32(0), types.float32(1), types.float32(math.log(2.0))
+    MODIFIED, _, logit2, visible, natural = modifiers(mods, types.float32)
+    ZERO, ONE = types.float32(0), types.float32(1)
 
     @device_function
     def load_stats(regs, lse, delta, b, h, q0, tid):
@@ -107,7 +110,7 @@ def build_dkdv(D, tiles, storage):
             if tid + j * THREADS < STATS:
                 stats[at + tid + j * THREADS] = regs[j]
 
-    def attention_backward_dkdv_mma(q, k, v, dout, lse, delta, dk, dv, scale_log2, left, right, vec):
+    def attention_backward_dkdv_mma(q, k, v, dout, lse, delta, dk, dv, scale_log2, left, right, vec, mod):
         # q, dout: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v, dk, dv: (batch, seqlen_k, nheads_kv,
         # headdim); lse, delta: (batch, nheads, seqlen_q)
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
@@ -142,9 +145,11 @@ def build_dkdv(D, tiles, storage):
             v_at = V_AT + warp * ROWS * LD + a_off
             s = cuda.local.array((M_NT, 4), types.float32)  # S^T, then P^T: ROWS keys x CHUNK queries per warp
             dp = cuda.local.array((M_NT, 4), types.float32)  # dP^T, then dS^T
+            dlogit = cuda.local.array((M_NT, 4), types.float32)  # with modifications: d modified / d score
             frag = cuda.local.array((M, 4), types.uint32)  # A fragments of the warp's m-tiles (`products`)
 
             for it in range(ntiles):
+                h = hk * group + it // per_head
                 q_start = q_first + (it % per_head) * BLOCK_N
                 at = (it % 2) * BLOCK_N * LD
                 st = (it % 2) * 2 * BLOCK_N
@@ -172,16 +177,22 @@ def build_dkdv(D, tiles, storage):
                         for j in range(NT):
                             for e in range(2):
                                 col = c0 + 8 * j + 2 * t + e
+                                row = q_start + col
                                 lo_q, hi_q = 0, seqlen_k  # a full chunk: every key visible, no bounds to compute
                                 if not full:
-                                    lo_q, hi_q = masks.key_range(q_start + col, seqlen_q, seqlen_k, left, right)
+                                    lo_q, hi_q = masks.key_range(row, seqlen_q, seqlen_k, left, right)
                                 for r in range(M_ROWS):
                                     mi, half = r // 2, r % 2
                                     key = warp_key + lane_row(r, g)
-                                    p = ZERO
-                                    if key >= lo_q and key < hi_q:
-                                        p = ex2(s[mi * NT + j, 2 * half + e] * scale_log2 - stats[st + col])
+                                    p, grad = ZERO, ZERO
+                                    if key >= lo_q and key < hi_q and (not MODIFIED or (
+                                            row < seqlen_q and visible(b, h, row, key, mod))):
+                                        x, grad = logit2(s[mi * NT + j, 2 * half + e] * scale_log2, b, h, row,
+                                                                  key, seqlen_k - seqlen_q, mod)
+                                        p = ex2(x - stats[st + col])
                                     s[mi * NT + j, 2 * half + e] = p
+                                    if MODIFIED:
+                                        dlogit[mi * NT + j, 2 * half + e] = grad
                         accumulate(dv_acc, s, frag, smem, DO_AT + at + c0 * LD + t_off)  # dV += P^T dO
                         scores(dp, frag, smem, v_at, DO_AT + at + c0 * LD + b_off)
                         for j in range(NT):
@@ -191,21 +202,24 @@ def build_dkdv(D, tiles, storage):
                                     for half in range(2):
                                         x = mi * NT + j
                                         dp[x, 2 * half + e] = s[x, 2 * half + e] * (dp[x, 2 * half + e] - dsum)
+                                        if MODIFIED:
+                                            dp[x, 2 * half + e] *= dlogit[x, 2 * half + e]
                         accumulate(dk_acc, dp, frag, smem, Q_AT + at + c0 * LD + t_off)  # dK += dS^T Q
                 if it + 1 < ntiles:
                     store_stats(stats, STATS - st, next_stat, tid)
                 cuda.syncthreads()  # this stage is free for the copies issued at the top of the next iteration
 
-        # dK = scale dS^T Q with scale = scale_log2 ln(2); the rows past seqlen_k are dropped.
-        scale = scale_log2 * LN2
+        # dK = scale dS^T Q with scale = scale_log2 ln(2) (the scale argument with modifications); the rows past
+        # seqlen_k are dropped.
+        scale = natural(scale_log2)
         for mi in range(M):
             write_grad(dk, b, warp_key + 16 * mi, hk, dk_acc, mi, scale, scale, g, t)
             write_grad(dv, b, warp_key + 16 * mi, hk, dv_acc, mi, ONE, ONE, g, t)
 
-    return attention_backward_dkdv_mma, _signature(2)
+    return attention_backward_dkdv_mma, _signature(2, mods)
 
 
-def build_dq(D, tiles, storage):
+def build_dq(D, tiles, storage, mods=NONE):
     BLOCK_M, BLOCK_N, WARPS, M = tiles.block_m, tiles.block_n, tiles.warps, tiles.m_tiles
     ROWS = 16 * M  # query rows per warp, of the block's BLOCK_M; BLOCK_N keys per streamed tile
     THREADS, LD, CHUNK = 32 * WARPS, row_stride(D), chunk(tiles)
@@ -216,9 +230,10 @@ def build_dq(D, tiles, storage):
     scores, accumulate = products(CHUNK, D, storage, M)
     write_grad = fragment_writer(D, storage)
     statistics = row_statistics(types.float32)
-    ZERO, LN2 = types.float32(0), types.float32(math.log(2.0))
+    MODIFIED, _, logit2, visible, natural = modifiers(mods, types.float32)
+    ZERO = types.float32(0)
 
-    def attention_backward_dq_mma(q, k, v, dout, lse, delta, dq, scale_log2, left, right, vec):
+    def attention_backward_dq_mma(q, k, v, dout, lse, delta, dq, scale_log2, left, right, vec, mod):
         # q, dout, dq: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v: (batch, seqlen_k, nheads_kv,
         # headdim); lse, delta: (batch, nheads, seqlen_q)
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
@@ -278,21 +293,25 @@ def build_dq(D, tiles, storage):
                                                   left, right)
                         for r in range(M_ROWS):
                             mi, half = r // 2, r % 2
+                            row = warp_row + lane_row(r, g)
                             for j in range(NT):
                                 for e in range(2):
                                     key = c_start + 8 * j + 2 * t + e
                                     x = mi * NT + j
                                     ds = ZERO
-                                    if full or (key >= lo_r[r] and key < hi_r[r]):
-                                        p = ex2(s[x, 2 * half + e] * scale_log2 - lse2[r])
-                                        ds = p * (dp[x, 2 * half + e] - dsum[r])
+                                    if (full or (key >= lo_r[r] and key < hi_r[r])) and (not MODIFIED or (
+                                            row < seqlen_q and visible(b, h, row, key, mod))):
+                                        x2, grad = logit2(s[x, 2 * half + e] * scale_log2, b, h, row, key,
+                                                          seqlen_k - seqlen_q, mod)
+                                        ds = ex2(x2 - lse2[r]) * (dp[x, 2 * half + e] - dsum[r]) * grad
                                     dp[x, 2 * half + e] = ds
                         accumulate(dq_acc, dp, frag, smem, K_AT + at + c0 * LD + t_off)  # dQ += dS K
                 cuda.syncthreads()  # this stage is free for the copies issued at the top of the next iteration
 
-        # dQ = scale dS K with scale = scale_log2 ln(2); the rows past seqlen_q are dropped.
-        scale = scale_log2 * LN2
+        # dQ = scale dS K with scale = scale_log2 ln(2) (the scale argument with modifications); the rows past
+        # seqlen_q are dropped.
+        scale = natural(scale_log2)
         for mi in range(M):
             write_grad(dq, b, warp_row + 16 * mi, h, dq_acc, mi, scale, scale, g, t)
 
-    return attention_backward_dq_mma, _signature(1)
+    return attention_backward_dq_mma, _signature(1, mods)

@@ -13,11 +13,12 @@ K and V tiles are double-buffered: while a tile is computed, the next one is in 
 
 from numba import cuda, types
 
-from ... import masks
+from ...mods import NONE
 from ..blocks import TENSOR_CORE_FORWARD, query_block, write_hidden_rows
 from ..intrinsics import cp_async_commit, cp_async_wait_all, cp_async_wait_one
 from ..fragments import fragment_writer
 from .tiles import lane_offsets, products, row_stride, stager
+from ..mods import kernel_type
 from ..softmax import steps
 
 
@@ -32,7 +33,7 @@ def smem_elements(D, tiles):
     return layout(D, tiles)[1][-1]
 
 
-def build(D, tiles, storage):
+def build(D, tiles, storage, mods=NONE):
     """The kernel for padded head dim ``D`` (a multiple of 16), `MmaTiles` and float16/bfloat16, and its signature."""
     BLOCK_M, BLOCK_N, WARPS, M = tiles.block_m, tiles.block_n, tiles.warps, tiles.m_tiles
     ROWS = 16 * M  # query rows per warp
@@ -43,9 +44,9 @@ def build(D, tiles, storage):
     stage = stager(D, THREADS)
     scores, accumulate = products(BLOCK_N, D, storage, M)
     write_out = fragment_writer(D, storage)
-    start, mask, online_softmax, rescale_o, finish, write_lse = steps(M, NT, DT)
+    start, mask, online_softmax, rescale_o, finish, write_lse = steps(M, NT, DT, mods)
 
-    def attention_forward_mma(q, k, v, out, lse, scale_log2, left, right, vec):
+    def attention_forward_mma(q, k, v, out, lse, scale_log2, left, right, vec, mod):
         # q, out: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v: (batch, seqlen_k, nheads_kv, headdim)
         # lse: (batch, nheads, seqlen_q)
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
@@ -94,8 +95,7 @@ def build(D, tiles, storage):
 
             scores(s, frag, smem, q_at, k_base + b_off)
 
-            if not masks.tile_is_full(row_start, row_end, n_start, n_start + BLOCK_N, seqlen_q, seqlen_k, left, right):
-                mask(s, warp_row, g, t, n_start, seqlen_q, seqlen_k, left, right)
+            mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale_log2, mod)
             online_softmax(s, m_i, l_i, alpha, scale_log2)
             rescale_o(acc, alpha)
             accumulate(acc, s, frag, smem, v_base + t_off)  # O += P V, P rounded to 16 bits
@@ -108,4 +108,4 @@ def build(D, tiles, storage):
             write_out(out, b, warp_row + 16 * mi, h, acc, mi, inv[2 * mi], inv[2 * mi + 1], g, t)
         write_lse(lse, b, h, warp_row, g, t, m_i, l_i, scale_log2)
 
-    return attention_forward_mma, TENSOR_CORE_FORWARD
+    return attention_forward_mma, TENSOR_CORE_FORWARD + (kernel_type(mods, types.float32),)

@@ -18,7 +18,8 @@ Products that contract over the head dimension read k-major (transposed) tiles; 
 over rows read row-major ones. Rather than hold both layouts, each kernel stages the second layout
 into the same buffer once the first is consumed (one more tile read, mostly from L2). Q is staged
 pre-multiplied by softmax_scale * log2(e), so scores are base-2 logits; the final dK and dQ fold
-the scale back in.
+the scale back in. With score modifications (`kernels.mods`) Q is pre-multiplied by softmax_scale, P is
+rebuilt from the modified scores, and dS carries the modification's derivative.
 """
 
 import math
@@ -28,10 +29,12 @@ from numba import cuda, types
 from numba.cuda.np.numpy_support import from_dtype
 
 from ... import masks
+from ...mods import NONE
 from .. import elements
 from ..blocks import key_block, query_block
 from ..intrinsics import device_function, group_sum
 from ..fragments import fill
+from ..mods import kernel_type, modifiers
 from .tiles import in_parts, outer_product, patch_writer, stagers, vector_width
 
 PREPROCESS_ROWS = 8  # query rows per block of the preprocess kernel: one warp each
@@ -64,12 +67,12 @@ def smem_elements_dq(D, tiles):
     return layout_dq(D, tiles)[1][-1]
 
 
-def _signature(storage, n_outputs):
+def _signature(storage, n_outputs, mods):
     ACC = elements.codec(storage)[0]
     storage_type = types.Array(from_dtype(elements.kernel_dtype(storage)), 4, "A")
     stat_type = types.Array(ACC, 3, "A")
     return ((storage_type,) * 4 + (stat_type, stat_type) + (storage_type,) * n_outputs
-            + (ACC, types.int64, types.int64, types.boolean))
+            + (ACC, types.int64, types.int64, types.boolean, kernel_type(mods, ACC)))
 
 
 def row_statistics(ACC):
@@ -104,7 +107,7 @@ def _rows_statistics(ROWS, ACC):
     return load
 
 
-def build_preprocess(D, tiles, storage):
+def build_preprocess(D, tiles, storage, mods=NONE):
     """D[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d], one warp per row (coalesced along d)."""
     ACC, to_acc, _ = elements.codec(storage)
     ZERO = ACC(0)
@@ -127,7 +130,7 @@ def build_preprocess(D, tiles, storage):
     return attention_backward_preprocess, signature
 
 
-def build_dkdv(D, tiles, storage):
+def build_dkdv(D, tiles, storage, mods=NONE):
     ACC, to_acc, from_acc = elements.codec(storage)
     acc_bytes = np.dtype(str(ACC)).itemsize
     BLOCK_K, BLOCK_Q, TK, TQ = tiles.block_m, tiles.block_n, tiles.thread_m, tiles.thread_n
@@ -135,15 +138,16 @@ def build_dkdv(D, tiles, storage):
     TD = D // COLS_T
     VV = vector_width(TD, acc_bytes)
     (LDK, LDQ, LDP), (K_AT, V_AT, Q_AT, DO_AT, P_AT, DS_AT, END) = layout_dkdv(D, tiles)
-    ZERO, ONE, LN2 = ACC(0), ACC(1), ACC(math.log(2.0))
+    ZERO, ONE = ACC(0), ACC(1)
     stage_kv_t, _ = stagers(BLOCK_K, D, THREADS, ZERO, to_acc)
     stage_q_t, stage_q_n = stagers(BLOCK_Q, D, THREADS, ZERO, to_acc)
     scores_patch = in_parts(outer_product(TK, TQ, 1, 0), 32)  # S^T = K Q^T, dP^T = V dO^T over the head dim
     grad_patch = in_parts(outer_product(TK, VV, TD // VV, COLS_T * VV), BLOCK_Q)  # dV += P^T dO, dK += dS^T Q
     write_row = patch_writer(TD, VV, COLS_T, from_acc)
     load_rows = _rows_statistics(TQ, ACC)
+    _, _, logit2, visible, natural = modifiers(mods, ACC)
 
-    def attention_backward_dkdv(q, k, v, dout, lse, delta, dk, dv, scale_log2, left, right, vec):
+    def attention_backward_dkdv(q, k, v, dout, lse, delta, dk, dv, scale_log2, left, right, vec, mod):
         # q, dout: (batch, seqlen_q, nheads, headdim); k, v, dk, dv: (batch, seqlen_k, nheads_kv, headdim)
         # lse, delta: (batch, nheads, seqlen_q)
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
@@ -188,14 +192,17 @@ def build_dkdv(D, tiles, storage):
                     scores_patch(dp, part, TK, TQ, v_t, r * TK, LDK, do_buf, c * TQ, LDQ, D)
                     full = masks.tile_is_full(q_start, q_end, key_start, key_start + BLOCK_K, seqlen_q, seqlen_k, left, right)
                     for bb in range(TQ):
-                        lo_b, hi_b = masks.key_range(q_start + c * TQ + bb, seqlen_q, seqlen_k, left, right)
+                        row = q_start + c * TQ + bb
+                        lo_b, hi_b = masks.key_range(row, seqlen_q, seqlen_k, left, right)
                         for a in range(TK):
                             key = key_start + r * TK + a
-                            p = ZERO
-                            if full or (key >= lo_b and key < hi_b):
-                                p = math.exp2(s[a, bb] - lse2[bb])
+                            p, grad = ZERO, ZERO
+                            if ((full or (key >= lo_b and key < hi_b)) and row < seqlen_q
+                                    and visible(b, h, row, key, mod)):
+                                x, grad = logit2(s[a, bb], b, h, row, key, seqlen_k - seqlen_q, mod)
+                                p = math.exp2(x - lse2[bb])
                             p_s[(c * TQ + bb) * LDP + r * TK + a] = p
-                            ds_s[(c * TQ + bb) * LDP + r * TK + a] = p * (dp[a, bb] - dsum[bb])
+                            ds_s[(c * TQ + bb) * LDP + r * TK + a] = p * (dp[a, bb] - dsum[bb]) * grad
                     cuda.syncthreads()  # everyone is done with Q^T and dO^T; P and dS are complete
                     stage_q_n(q_buf, D, q, b, q_start, h, scale_log2, tid, vec)
                     stage_q_n(do_buf, D, dout, b, q_start, h, ONE, tid, vec)
@@ -203,17 +210,18 @@ def build_dkdv(D, tiles, storage):
                     grad_patch(dv_acc, tile, TK, TD, p_s, r * TK, LDP, do_buf, c * VV, D, BLOCK_Q)
                     grad_patch(dk_acc, tile, TK, TD, ds_s, r * TK, LDP, q_buf, c * VV, D, BLOCK_Q)
 
-        # Q was pre-scaled by scale * log2(e): dK = scale dS^T Q = ln(2) dS^T (scale log2(e) Q).
+        # Q was pre-scaled by scale * log2(e): dK = scale dS^T Q = ln(2) dS^T (scale log2(e) Q) (by scale with
+        # modifications: dK = dS^T (scale Q)).
         for a in range(TK):
             key = key_start + r * TK + a
             if key < seqlen_k:
-                write_row(dk, b, key, hk, dk_acc, a, LN2, c)
+                write_row(dk, b, key, hk, dk_acc, a, natural(ONE), c)
                 write_row(dv, b, key, hk, dv_acc, a, ONE, c)
 
-    return attention_backward_dkdv, _signature(storage, 2)
+    return attention_backward_dkdv, _signature(storage, 2, mods)
 
 
-def build_dq(D, tiles, storage):
+def build_dq(D, tiles, storage, mods=NONE):
     ACC, to_acc, from_acc = elements.codec(storage)
     acc_bytes = np.dtype(str(ACC)).itemsize
     BLOCK_M, BLOCK_N, TM, TN = tiles.block_m, tiles.block_n, tiles.thread_m, tiles.thread_n
@@ -221,15 +229,16 @@ def build_dq(D, tiles, storage):
     TD = D // COLS_T
     VV = vector_width(TD, acc_bytes)
     (LDQ, LDK, LDD), (Q_AT, DO_AT, K_AT, V_AT, DS_AT, END) = layout_dq(D, tiles)
-    ZERO, ONE, LN2 = ACC(0), ACC(1), ACC(math.log(2.0))
+    ZERO, ONE = ACC(0), ACC(1)
     stage_q_t, _ = stagers(BLOCK_M, D, THREADS, ZERO, to_acc)
     stage_k_t, stage_k_n = stagers(BLOCK_N, D, THREADS, ZERO, to_acc)
     scores_patch = in_parts(outer_product(TM, TN, 1, 0), 32)  # S = Q K^T, dP = dO V^T over the head dim
     grad_patch = in_parts(outer_product(TM, VV, TD // VV, COLS_T * VV), BLOCK_N)  # dQ += dS K over the keys
     write_row = patch_writer(TD, VV, COLS_T, from_acc)
     load_rows = _rows_statistics(TM, ACC)
+    _, _, logit2, visible, natural = modifiers(mods, ACC)
 
-    def attention_backward_dq(q, k, v, dout, lse, delta, dq, scale_log2, left, right, vec):
+    def attention_backward_dq(q, k, v, dout, lse, delta, dq, scale_log2, left, right, vec, mod):
         # q, dout, dq: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim)
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
@@ -267,22 +276,25 @@ def build_dq(D, tiles, storage):
                 scores_patch(dp, part, TM, TN, do_t, r * TM, LDQ, v_t, c * TN, LDK, D)
                 full = masks.tile_is_full(row_start, row_end, n_start, n_start + BLOCK_N, seqlen_q, seqlen_k, left, right)
                 for a in range(TM):
-                    lo_a, hi_a = masks.key_range(row_start + r * TM + a, seqlen_q, seqlen_k, left, right)
+                    row = row_start + r * TM + a
+                    lo_a, hi_a = masks.key_range(row, seqlen_q, seqlen_k, left, right)
                     for bb in range(TN):
                         key = n_start + c * TN + bb
                         ds = ZERO
-                        if full or (key >= lo_a and key < hi_a):
-                            ds = math.exp2(s[a, bb] - lse2[a]) * (dp[a, bb] - dsum[a])
+                        if (full or (key >= lo_a and key < hi_a)) and row < seqlen_q and visible(b, h, row,
+                                                                                                          key, mod):
+                            x, grad = logit2(s[a, bb], b, h, row, key, seqlen_k - seqlen_q, mod)
+                            ds = math.exp2(x - lse2[a]) * (dp[a, bb] - dsum[a]) * grad
                         ds_t[(c * TN + bb) * LDD + r * TM + a] = ds
                 cuda.syncthreads()  # everyone is done with K^T; dS^T is complete
                 stage_k_n(k_buf, D, k, b, n_start, hk, ONE, tid, vec)
                 cuda.syncthreads()  # K, row-major, is complete
                 grad_patch(dq_acc, tile, TM, TD, ds_t, r * TM, LDD, k_buf, c * VV, D, BLOCK_N)
 
-        # dQ = scale dS K, and scale = scale_log2 * ln(2).
+        # dQ = scale dS K, and scale = scale_log2 * ln(2) (the scale argument itself with modifications).
         for a in range(TM):
             row = row_start + r * TM + a
             if row < seqlen_q:
-                write_row(dq, b, row, h, dq_acc, a, scale_log2 * LN2, c)
+                write_row(dq, b, row, h, dq_acc, a, natural(scale_log2), c)
 
-    return attention_backward_dq, _signature(storage, 1)
+    return attention_backward_dq, _signature(storage, 1, mods)

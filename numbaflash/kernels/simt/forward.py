@@ -9,7 +9,9 @@ own the matching output columns.
 
 Shared memory holds Q^T and K^T (k-major: one 16-byte load gives a thread TM query rows or TN keys of
 one head-dimension index), V as is, and P^T. Q is pre-multiplied by ``softmax_scale * log2(e)``, so
-the scores are base-2 logits and the softmax uses exp2, the hardware's native exponential.
+the scores are base-2 logits and the softmax uses exp2, the hardware's native exponential. With score
+modifications (`kernels.mods`) Q is pre-multiplied by ``softmax_scale``, and the modified natural-log
+scores times log2(e) become the base-2 logits.
 """
 
 import math
@@ -19,10 +21,12 @@ from numba import cuda, types
 from numba.cuda.np.numpy_support import from_dtype
 
 from ... import masks
+from ...mods import NONE
 from .. import elements
 from ..blocks import query_block, write_hidden_rows
 from ..intrinsics import group_max, group_sum
 from ..fragments import fill
+from ..mods import kernel_type, modifiers
 from .tiles import in_parts, outer_product, patch_writer, stagers, vector_width
 
 
@@ -39,7 +43,7 @@ def smem_elements(D, tiles):
     return layout(D, tiles)[1][-1]
 
 
-def build(D, tiles, storage):
+def build(D, tiles, storage, mods=NONE):
     """The kernel for padded head dim ``D``, ``Tiles`` and a storage dtype name, and its signature.
 
     Every size is a compile-time constant of the returned function; `kernels.compiled` compiles it.
@@ -51,7 +55,9 @@ def build(D, tiles, storage):
     TD = D // COLS_T  # output columns per thread
     VV = vector_width(TD, acc_bytes)  # output columns per vector
     (LDQ, LDK, LDV, LDP), (Q_AT, K_AT, V_AT, P_AT, END) = layout(D, tiles)
-    ZERO, ONE, NEG_INF, LN2 = ACC(0), ACC(1), ACC(-np.inf), ACC(math.log(2.0))
+    ZERO, ONE, NEG_INF, LN2, LOG2E = ACC(0), ACC(1), ACC(-np.inf), ACC(math.log(2.0)), ACC(math.log2(math.e))
+    # Unpacked: a kernel calls functions it closes over, not attributes of an object numba cannot type.
+    MODIFIED, logit, _, visible, _ = modifiers(mods, ACC)
     stage_q, _ = stagers(BLOCK_M, D, THREADS, ZERO, to_acc)
     stage_k, stage_v = stagers(BLOCK_N, D, THREADS, ZERO, to_acc)
     scores_patch = in_parts(outer_product(TM, TN, 1, 0), 32)  # S = Q K^T over the head dimension
@@ -60,9 +66,9 @@ def build(D, tiles, storage):
 
     storage_type = types.Array(from_dtype(elements.kernel_dtype(storage)), 4, "A")
     signature = (storage_type, storage_type, storage_type, storage_type, types.Array(ACC, 3, "A"), ACC,
-                 types.int64, types.int64, types.boolean)
+                 types.int64, types.int64, types.boolean, kernel_type(mods, ACC))
 
-    def attention_forward(q, k, v, out, lse, scale_log2, left, right, vec):
+    def attention_forward(q, k, v, out, lse, scale_log2, left, right, vec, mod):
         # q, out: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim)
         # lse: (batch, nheads, seqlen_q)
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
@@ -103,14 +109,19 @@ def build(D, tiles, storage):
             fill(s, TM, TN, ZERO)
             scores_patch(s, s_part, TM, TN, q_t, r * TM, LDQ, k_t, c * TN, LDK, D)
 
-            # Only tiles that straddle the mask edge or the end of the keys pay for per-element masking.
-            if not masks.tile_is_full(row_start, row_end, n_start, n_start + BLOCK_N, seqlen_q, seqlen_k, left, right):
+            # Only tiles that straddle the mask edge or the end of the keys pay for per-element masking,
+            # unless modifications (`kernels.mods`) turn every visible score.
+            if MODIFIED or not masks.tile_is_full(row_start, row_end, n_start, n_start + BLOCK_N, seqlen_q, seqlen_k,
+                                                  left, right):
                 for a in range(TM):
-                    lo_a, hi_a = masks.key_range(row_start + r * TM + a, seqlen_q, seqlen_k, left, right)
+                    row = row_start + r * TM + a
+                    lo_a, hi_a = masks.key_range(row, seqlen_q, seqlen_k, left, right)
                     for bb in range(TN):
                         key = n_start + c * TN + bb
-                        if key < lo_a or key >= hi_a:
+                        if key < lo_a or key >= hi_a or row >= seqlen_q or not visible(b, h, row, key, mod):
                             s[a, bb] = NEG_INF
+                        elif MODIFIED:  # Q was scaled by softmax_scale: natural-log scores
+                            s[a, bb] = logit(s[a, bb], b, h, row, key, seqlen_k - seqlen_q, mod) * LOG2E
 
             # Online softmax: the new row max, and a rescale of what was summed against the old one.
             for a in range(TM):

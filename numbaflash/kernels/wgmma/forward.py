@@ -15,11 +15,12 @@ barrier per iteration both publishes the landed tiles and frees the stages the c
 
 from numba import cuda, types
 
-from ... import masks
+from ...mods import NONE
 from ..blocks import TENSOR_CORE_FORWARD, query_block, write_hidden_rows
 from ..intrinsics import (cp_async_commit, device_function, cp_async_wait_all, fence_proxy_async, shared_address, wgmma_commit,
                          wgmma_fence, wgmma_wait0, wgmma_wait1)
 from ..fragments import fragment_writer
+from ..mods import kernel_type
 from ..softmax import steps
 from .tiles import ALIGN, advance, aligned_base, descriptors, pack_p, products, stager
 
@@ -37,7 +38,7 @@ def smem_bytes(D, tiles):
     return 2 * layout(D, tiles)[-1] + ALIGN
 
 
-def build(D, tiles, storage):
+def build(D, tiles, storage, mods=NONE):
     """The kernel for padded head dim ``D`` (64 or 128), `WgmmaTiles` and float16/bfloat16, and its signature."""
     BLOCK_M, BLOCK_N, WARPGROUPS = tiles.block_m, tiles.block_n, tiles.warpgroups
     THREADS = 128 * WARPGROUPS
@@ -47,7 +48,7 @@ def build(D, tiles, storage):
     stage_q, stage_kv = stager(D, BLOCK_M, THREADS), stager(D, BLOCK_N, THREADS)
     scores, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage)
     pack = pack_p(BLOCK_N, storage)
-    start, mask, online_softmax, rescale_o, finish, write_lse = steps(1, NT, DT)
+    start, mask, online_softmax, rescale_o, finish, write_lse = steps(1, NT, DT, mods)
     write_out = fragment_writer(D, storage)
 
     @device_function
@@ -67,17 +68,16 @@ def build(D, tiles, storage):
         cp_async_commit()
 
     @device_function
-    def softmax_tile(s, acc, p, m_i, l_i, alpha, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k,
-                     left, right, scale_log2):
+    def softmax_tile(s, acc, p, m_i, l_i, alpha, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k,
+                     left, right, scale_log2, mod):
         # mask -> online softmax (while the previous P V may still run) -> rescale O -> P for the next P V
-        if not masks.tile_is_full(row_start, row_end, n_start, n_start + BLOCK_N, seqlen_q, seqlen_k, left, right):
-            mask(s, warp_row, g, t, n_start, seqlen_q, seqlen_k, left, right)
+        mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale_log2, mod)
         online_softmax(s, m_i, l_i, alpha, scale_log2)
         wgmma_wait0()  # O and P are no longer read by the tensor cores
         rescale_o(acc, alpha)
         pack(p, s)
 
-    def attention_forward_wgmma(q, k, v, out, lse, scale_log2, left, right, vec):
+    def attention_forward_wgmma(q, k, v, out, lse, scale_log2, left, right, vec, mod):
         # q, out: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v: (batch, seqlen_k, nheads_kv, headdim)
         # lse: (batch, nheads, seqlen_q)
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
@@ -117,8 +117,8 @@ def build(D, tiles, storage):
         scores(s, smem, q_desc, k_desc)
         wgmma_commit()
         wgmma_wait0()
-        softmax_tile(s, acc, p, m_i, l_i, alpha, warp_row, g, t, n_first, row_start, row_end, seqlen_q, seqlen_k,
-                     left, right, scale_log2)
+        softmax_tile(s, acc, p, m_i, l_i, alpha, b, h, warp_row, g, t, n_first, row_start, row_end, seqlen_q, seqlen_k,
+                     left, right, scale_log2, mod)
 
         # Steady state, with no branch around a wgmma (a branch makes the compiler copy accumulators that
         # are in flight, and ptxas then serializes every wgmma: warning C7514).
@@ -132,8 +132,8 @@ def build(D, tiles, storage):
             accumulate(acc, p, smem, advance(v_desc, 2 * ((it - 1) % STAGES) * TILE_N))
             wgmma_commit()
             wgmma_wait1()  # S_it is done; P_{it-1} V_{it-1} may still run under the softmax below
-            softmax_tile(s, acc, p, m_i, l_i, alpha, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k,
-                         left, right, scale_log2)
+            softmax_tile(s, acc, p, m_i, l_i, alpha, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q,
+                         seqlen_k, left, right, scale_log2, mod)
 
         # The last tile's P V.
         sync_tiles()
@@ -148,4 +148,4 @@ def build(D, tiles, storage):
         write_out(out, b, warp_row, h, acc, 0, inv[0], inv[1], g, t)
         write_lse(lse, b, h, warp_row, g, t, m_i, l_i, scale_log2)
 
-    return attention_forward_wgmma, TENSOR_CORE_FORWARD
+    return attention_forward_wgmma, TENSOR_CORE_FORWARD + (kernel_type(mods, types.float32),)

@@ -23,13 +23,14 @@ there; at headdim 128 its largest spill-free tile (128 x 96) ran 0.70-0.82x, bel
 
 from numba import cuda, types
 
-from ... import masks
+from ...mods import NONE
 from ..blocks import TENSOR_CORE_FORWARD, query_block, write_hidden_rows
 from ..intrinsics import (cp_async_mbarrier_arrive, cp_async_wait_all, device_function, fence_proxy_async,
                          mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_try_wait, setmaxnreg_dec,
                          setmaxnreg_inc, shared_address, tma_load_4d, wgmma_commit, wgmma_fence, wgmma_wait0,
                          wgmma_wait1)
 from ..fragments import fragment_writer
+from ..mods import kernel_type
 from ..softmax import steps
 from . import tensor_maps
 from .forward import STAGES, layout
@@ -55,7 +56,7 @@ def smem_bytes(D, tiles):
     return 2 * layout(D, tiles)[-1] + 8 * BARRIERS + ALIGN
 
 
-def build(D, tiles, storage):
+def build(D, tiles, storage, mods=NONE):
     """The kernel for padded head dim ``D`` (64 or 128), `WgmmaTiles` with a producer and float16/bfloat16."""
     BLOCK_M, BLOCK_N, CONSUMERS = tiles.block_m, tiles.block_n, tiles.warpgroups
     THREADS = PRODUCER + 128 * CONSUMERS
@@ -69,7 +70,7 @@ def build(D, tiles, storage):
     stage_q, stage_kv = stager(D, BLOCK_M, PRODUCER), stager(D, BLOCK_N, PRODUCER)
     scores, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage)
     pack = pack_p(BLOCK_N, storage)
-    start, mask, online_softmax, rescale_o, finish, write_lse = steps(1, NT, DT)
+    start, mask, online_softmax, rescale_o, finish, write_lse = steps(1, NT, DT, mods)
     write_out = fragment_writer(D, storage)
     release_registers, take_registers = (setmaxnreg_dec(REGISTERS[CONSUMERS][0]),
                                          setmaxnreg_inc(REGISTERS[CONSUMERS][1]))
@@ -134,13 +135,12 @@ def build(D, tiles, storage):
         mbarrier_arrive(smem, base + empty + (it % STAGES) * BARRIER_ELEMENTS)
 
     @device_function
-    def softmax_scores(s, m_i, l_i, alpha, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left,
-                       right, scale_log2):
-        if not masks.tile_is_full(row_start, row_end, n_start, n_start + BLOCK_N, seqlen_q, seqlen_k, left, right):
-            mask(s, warp_row, g, t, n_start, seqlen_q, seqlen_k, left, right)
+    def softmax_scores(s, m_i, l_i, alpha, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k,
+                       left, right, scale_log2, mod):
+        mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale_log2, mod)
         online_softmax(s, m_i, l_i, alpha, scale_log2)
 
-    def attention_forward_wgmma_ws(q, k, v, out, lse, scale_log2, left, right, vec, maps):
+    def attention_forward_wgmma_ws(q, k, v, out, lse, scale_log2, left, right, vec, maps, mod):
         # q, out: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v: (batch, seqlen_k, nheads_kv, headdim)
         # lse: (batch, nheads, seqlen_q)
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
@@ -194,8 +194,8 @@ def build(D, tiles, storage):
             wgmma_commit()
             wgmma_wait0()
             release(smem, base, K_EMPTY, 0)
-            softmax_scores(s, m_i, l_i, alpha, warp_row, g, t, n_first, row_start, row_end, seqlen_q, seqlen_k,
-                           left, right, scale_log2)
+            softmax_scores(s, m_i, l_i, alpha, b, h, warp_row, g, t, n_first, row_start, row_end, seqlen_q, seqlen_k,
+                           left, right, scale_log2, mod)
             rescale_o(acc, alpha)
             pack(p, s)
 
@@ -211,8 +211,8 @@ def build(D, tiles, storage):
                 wgmma_commit()
                 wgmma_wait1()  # S_it is done; P_{it-1} V_{it-1} may still run under the softmax below
                 release(smem, base, K_EMPTY, it)
-                softmax_scores(s, m_i, l_i, alpha, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k,
-                               left, right, scale_log2)
+                softmax_scores(s, m_i, l_i, alpha, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q,
+                               seqlen_k, left, right, scale_log2, mod)
                 wgmma_wait0()  # O and P are no longer read by the tensor cores
                 release(smem, base, V_EMPTY, it - 1)
                 rescale_o(acc, alpha)
@@ -231,4 +231,4 @@ def build(D, tiles, storage):
             write_out(out, b, warp_row, h, acc, 0, inv[0], inv[1], g, t)
             write_lse(lse, b, h, warp_row, g, t, m_i, l_i, scale_log2)
 
-    return attention_forward_wgmma_ws, TENSOR_CORE_FORWARD + (types.int64,)
+    return attention_forward_wgmma_ws, TENSOR_CORE_FORWARD + (types.int64, kernel_type(mods, types.float32))

@@ -1,0 +1,138 @@
+"""Benchmark the score and mask modifications against the same call without them (GPU).
+
+For each head dim and sequence length (float16, 16 heads, batch x seqlen = 16384), in one run: the plain
+kernel, softcap, ALiBi, both, a per-head temperature as a score_mod, and a mask_mod equal to causal
+against the built-in causal; forward and backward; each reported as its time over the plain (or
+built-in causal) kernel's, with torch SDPA flash's time for scale. Every modified call is first
+checked against the float64 reference on one head of one batch element (flash-attn's rule is the
+tests' job; this guards the timings against a kernel that computes something else).
+
+    python scripts/bench_mods.py --out DIR         # head dims 64 and 128, N = 4096 and 16384
+    python scripts/bench_mods.py --seqlens 2048 --headdims 64
+
+Writes bench_mods.json under --out.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench import NHEADS, TOKENS, flops, sdpa, time_ms  # noqa: E402
+
+
+def tempered(score, b, h, q_idx, kv_idx, temperature):
+    return score * temperature[h]
+
+
+def tempered_grad(score, b, h, q_idx, kv_idx, temperature):
+    return temperature[h]
+
+
+def causal_mask(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx
+
+
+def variants(torch, nheads):
+    slopes = torch.tensor([2 ** (-8 * (i + 1) / nheads) for i in range(nheads)], device="cuda", dtype=torch.float32)
+    temperature = torch.linspace(0.5, 1.5, nheads, device="cuda", dtype=torch.float32)
+    return {
+        "plain": dict(),
+        "softcap 30": dict(softcap=30.0),
+        "ALiBi": dict(alibi_slopes=slopes),
+        "softcap + ALiBi": dict(softcap=30.0, alibi_slopes=slopes),
+        "score_mod temperature": dict(score_mod=tempered, score_mod_grad=tempered_grad, mod_args=(temperature,)),
+        "causal (built-in)": dict(causal=True),
+        "causal (mask_mod)": dict(mask_mod=causal_mask),
+    }
+
+
+def check_one_head(torch, q, k, v, options):
+    """Max error of batch 0, head 0 against the float64 reference (the slopes and tables are per head: head 0's)."""
+    import numbaflash
+    from numbaflash import reference
+
+    one = {key: (value[:1] if key == "alibi_slopes" else tuple(a[:1] for a in value) if key == "mod_args" else value)
+           for key, value in options.items()}
+    host = {key: (value.cpu().numpy() if key == "alibi_slopes" else tuple(a.cpu().numpy() for a in value)
+                  if key == "mod_args" else value) for key, value in one.items()}
+    q1, k1, v1 = (x[:1, :, :1] for x in (q, k, v))
+    got = numbaflash.attention(q1, k1, v1, **one)
+    want, _ = reference.attention_forward(*(x.float().cpu().numpy() for x in (q1, k1, v1)), **host)
+    return float(np.abs(got.float().cpu().numpy() - want).max())
+
+
+def run(headdim, seqlen, passes):
+    import torch
+
+    import numbaflash
+
+    batch = max(1, TOKENS // seqlen)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, dout = (torch.randn(batch, seqlen, NHEADS, headdim, device="cuda", dtype=torch.float16, generator=gen)
+                     for _ in range(4))
+    rows = []
+    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    for name, options in variants(torch, NHEADS).items():
+        causal = options.get("causal", False) or "mask_mod" in options
+        row = dict(headdim=headdim, seqlen=seqlen, batch=batch, variant=name)
+        if seqlen <= 4096:
+            row["max_error_one_head"] = check_one_head(torch, q, k, v, options)
+        for backward in passes:
+            total = flops(batch, NHEADS, seqlen, headdim, causal, backward)
+            out, lse = numbaflash.attention(q, k, v, return_lse=True, **options)
+            if backward:
+                fn = lambda: numbaflash.attention_backward(dout, q, k, v, out, lse, **options)
+                base = lambda: torch.autograd.grad(sdpa("flash")(*(x.requires_grad_() for x in (qt, kt, vt)), causal),
+                                                   (qt, kt, vt), dout.transpose(1, 2))
+            else:
+                fn = lambda: numbaflash.attention(q, k, v, **options)
+                base = lambda: sdpa("flash")(qt, kt, vt, causal)
+            key = "backward" if backward else "forward"
+            row[f"{key}_ms"] = time_ms(fn)
+            row[f"{key}_tflops"] = total / row[f"{key}_ms"] / 1e9
+            row[f"{key}_sdpa_flash_ms"] = time_ms(base)
+        rows.append(row)
+    for row in rows:
+        reference_row = next(r for r in rows if r["variant"] == ("causal (built-in)" if "causal" in row["variant"]
+                                                                  else "plain"))
+        for key in ("forward", "backward"):
+            if f"{key}_ms" in row:
+                row[f"{key}_over_plain"] = row[f"{key}_ms"] / reference_row[f"{key}_ms"]
+                row[f"{key}_over_sdpa_flash"] = row[f"{key}_sdpa_flash_ms"] / row[f"{key}_ms"]
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--headdims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--passes", nargs="+", default=["forward", "backward"], choices=["forward", "backward"])
+    parser.add_argument("--out", default=".")
+    args = parser.parse_args()
+    import torch
+
+    print(f"device: {torch.cuda.get_device_name()}")
+    rows = []
+    for headdim in args.headdims:
+        for seqlen in args.seqlens:
+            for row in run(headdim, seqlen, [p == "backward" for p in args.passes]):
+                rows.append(row)
+                cells = [f"d={headdim:<4} N={seqlen:<6} {row['variant']:<22}"]
+                for key in ("forward", "backward"):
+                    if f"{key}_ms" in row:
+                        cells.append(f"{key} {row[f'{key}_tflops']:6.1f} TFLOP/s x{row[f'{key}_over_plain']:.3f} of "
+                                     f"plain, {row[f'{key}_over_sdpa_flash']:.2f}x SDPA flash")
+                if "max_error_one_head" in row:
+                    cells.append(f"err {row['max_error_one_head']:.1e}")
+                print(" | ".join(cells), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_mods.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

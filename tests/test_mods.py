@@ -1,0 +1,186 @@
+"""Score and mask modifications (`numbaflash.mods`) in every kernel family, forward and backward.
+
+Three combinations cover flash-attn's built-ins and FlexAttention-style user functions, each against the
+float64 reference extended with the same modifications, under flash-attn's tolerance rule:
+
+* built-ins: softcap with causal, and ALiBi slopes per (batch, head);
+* user functions reading ``mod_args``: a relative-position bias table (score_mod, derivative 1) and a
+  document mask built from document ids, with query documents that no key belongs to (rows that see no
+  key: out 0, LSE -inf);
+* a prefix-LM mask, and a per-head temperature (score_mod with a derivative other than 1) after a
+  softcap: the backward's chain rule through both.
+"""
+
+import numpy as np
+import pytest
+
+import numbaflash
+from numbaflash import tiling
+from cases import Case, check_backward, check_forward
+from test_scale_and_nan import FAMILIES, forward_of
+
+# Small enough for the simulator (a CUDA thread is a Python thread): two batch elements and two heads, so
+# the functions' b and h index their tables; lengths that cross a key tile edge and leave partial tiles.
+BATCH, SEQLEN_Q, SEQLEN_K, NHEADS, NHEADS_KV, HEADDIM = 2, 19, 23, 2, 1, 16
+
+
+def relative_bias(score, b, h, q_idx, kv_idx, bias, doc_q, doc_k):
+    return score + bias[h, q_idx - kv_idx + bias.shape[1] // 2]
+
+
+def relative_bias_grad(score, b, h, q_idx, kv_idx, bias, doc_q, doc_k):
+    return 1.0
+
+
+def same_document(b, h, q_idx, kv_idx, bias, doc_q, doc_k):
+    return doc_q[b, q_idx] == doc_k[b, kv_idx]
+
+
+def prefix_lm(b, h, q_idx, kv_idx, prefix, temperature):
+    return kv_idx <= q_idx or kv_idx < prefix[b]
+
+
+def tempered(score, b, h, q_idx, kv_idx, prefix, temperature):
+    return score * temperature[h]
+
+
+def tempered_grad(score, b, h, q_idx, kv_idx, prefix, temperature):
+    return temperature[h]
+
+
+def modifications(name, seqlen_q, seqlen_k, batch=BATCH, nheads=NHEADS, seed=0):
+    """The keyword arguments of combination ``name``, as NumPy arrays."""
+    rng = np.random.default_rng(seed)
+    if name == "softcap, ALiBi":
+        return dict(softcap=1.5, alibi_slopes=rng.uniform(0.05, 0.5, (batch, nheads)).astype(np.float32))
+    if name == "bias table, documents":
+        bias = rng.standard_normal((nheads, seqlen_q + seqlen_k)).astype(np.float32)
+        doc_k = np.sort(rng.integers(0, 4, (batch, seqlen_k)), axis=1).astype(np.int32)
+        doc_q = np.sort(rng.integers(0, 5, (batch, seqlen_q)), axis=1).astype(np.int32)  # document 4 has no keys
+        return dict(score_mod=relative_bias, score_mod_grad=relative_bias_grad, mask_mod=same_document,
+                    mod_args=(bias, doc_q, doc_k))
+    if name == "prefix LM, softcap, temperature":
+        prefix = rng.integers(1, seqlen_k, batch).astype(np.int64)
+        temperature = rng.uniform(0.5, 2.0, nheads).astype(np.float32)
+        return dict(softcap=3.0, score_mod=tempered, score_mod_grad=tempered_grad, mask_mod=prefix_lm,
+                    mod_args=(prefix, temperature))
+    raise KeyError(name)
+
+
+COMBINATIONS = ["softcap, ALiBi", "bias table, documents", "prefix LM, softcap, temperature"]
+
+
+def case_of(name, dtype, causal=None, seed=3):
+    causal = name == "softcap, ALiBi" if causal is None else causal
+    return Case(BATCH, SEQLEN_Q, SEQLEN_K, NHEADS, NHEADS_KV, HEADDIM, dtype, causal=causal, logit_scale=2.0, seed=seed,
+                modifications=modifications(name, SEQLEN_Q, SEQLEN_K, seed=seed))
+
+
+# On the simulator, where a wgmma forward costs 7 s a call, v3 and v5 run one combination each: they apply
+# the modifications through the same `kernels.softmax` step as mma.sync, which runs all three. A GPU runs
+# every pair.
+SIMULATED_WGMMA = {("wgmma v3", "prefix LM, softcap, temperature"), ("wgmma v5", "bias table, documents")}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", COMBINATIONS)
+def test_forward(family, name, arrays, poisoned, mode):
+    if mode == "simulator" and family.startswith("wgmma") and (family, name) not in SIMULATED_WGMMA:
+        pytest.skip("on the simulator this wgmma kernel runs one combination (SIMULATED_WGMMA); pytest -m gpu runs all")
+    dtype, tiles = FAMILIES[family]
+    case = case_of(name, dtype)
+    check_forward(case, forward_of(case, tiles), *arrays)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("name", COMBINATIONS)
+def test_backward(dtype, name, arrays, poisoned):
+    """CUDA cores for float32, mma.sync for float16: the two backward families."""
+    check_backward(case_of(name, dtype), numbaflash.attention, numbaflash.attention_backward, *arrays)
+
+
+# At real sizes every family, with the production tiles: (dtype, head dim, forward tiles).
+GPU_FAMILIES = {
+    "simt": ("float32", 64, None),
+    "mma": ("float16", 64, tiling.MMA_TILES[64]),
+    "wgmma v3": ("float16", 128, tiling.WGMMA_TILES[128]),
+    "wgmma v5": ("bfloat16", 64, tiling.WGMMA_TILES[64]),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", GPU_FAMILIES)
+@pytest.mark.parametrize("name", COMBINATIONS)
+def test_forward_and_backward_at_real_sizes(family, name, arrays, poisoned):
+    """Odd lengths over many tiles; the backward (CUDA cores for float32, mma.sync for 16-bit) after the
+    forwards that have one of their family."""
+    dtype, headdim, tiles = GPU_FAMILIES[family]
+    seqlen_q, seqlen_k = 1000, 1537
+    case = Case(2, seqlen_q, seqlen_k, 2, 1, headdim, dtype, causal=name == "softcap, ALiBi", seed=9,
+                modifications=modifications(name, seqlen_q, seqlen_k, seed=9))
+    check_forward(case, forward_of(case, tiles), *arrays)
+    if family in ("simt", "mma"):
+        check_backward(case, numbaflash.attention, numbaflash.attention_backward, *arrays)
+
+
+def test_alibi_slopes_per_head_match_the_same_slopes_per_batch_element(arrays):
+    to_device, to_host = arrays
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((2, 9, 2, 16)).astype(np.float32) for _ in range(3))
+    slopes = np.array([0.25, 0.5], np.float32)
+    run = lambda s: to_host(numbaflash.attention(*(to_device(x) for x in (q, k, v)), alibi_slopes=to_device(s)))
+    assert np.array_equal(run(slopes), run(np.stack([slopes, slopes])))
+
+
+def test_a_mask_mod_that_is_causal_gives_causal_attention(arrays):
+    to_device, to_host = arrays
+    rng = np.random.default_rng(2)
+    q, k, v = (to_device(rng.standard_normal((1, 21, 1, 16)).astype(np.float32)) for _ in range(3))
+    built_in = to_host(numbaflash.attention(q, k, v, causal=True))
+    user = to_host(numbaflash.attention(q, k, v, mask_mod=lambda b, h, i, j: j <= i))
+    np.testing.assert_allclose(user, built_in, rtol=0, atol=1e-6)
+
+
+# -- the boundary
+
+Q = np.zeros((1, 8, 2, 16), np.float32)
+
+
+def score_plus_one(score, b, h, q_idx, kv_idx):
+    return score + 1
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(softcap=-1.0), ValueError, "softcap must be a finite number >= 0"),
+    (dict(softcap=float("inf")), ValueError, "softcap must be a finite number >= 0"),
+    (dict(softcap="2"), TypeError, "softcap must be a number"),
+    (dict(alibi_slopes=np.ones(3, np.float32)), ValueError, r"alibi_slopes must be float32 of shape \(nheads,\)"),
+    (dict(alibi_slopes=np.ones(2, np.float64)), ValueError, "alibi_slopes must be float32"),
+    (dict(alibi_slopes=[0.5, 0.5]), TypeError, "alibi_slopes must be an array of the same kind as q"),
+    (dict(score_mod="tanh"), TypeError, "score_mod must be None or a plain Python function"),
+    (dict(score_mod=lambda s, b, h: s), ValueError, "score_mod .* must take 5 positional arguments"),
+    (dict(mask_mod=lambda b, h, i, j, extra: True), ValueError, "mask_mod .* must take 4 positional arguments"),
+    (dict(score_mod_grad=lambda s, b, h, i, j: 1.0), ValueError, "score_mod_grad was given without score_mod"),
+    (dict(mod_args=(np.ones(3),)), ValueError, "no score_mod or mask_mod reads them"),
+    (dict(mask_mod=lambda b, h, i, j, x: True, mod_args=np.ones(3)), TypeError, "mod_args must be a tuple"),
+    (dict(mask_mod=lambda b, h, i, j, x: True, mod_args=(np.ones(3, np.float16),)), TypeError,
+     r"mod_args\[0\] must be an array of integers, bools, float32 or float64"),
+    (dict(mask_mod=lambda b, h, i, j: i), TypeError, "mask_mod .* must return a bool"),
+    (dict(score_mod=lambda s, b, h, i, j: s.upper()), TypeError, "score_mod .* cannot be compiled by Numba"),
+])
+def test_bad_modifications_are_refused(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        numbaflash.attention(Q, Q, Q, **kwargs)
+
+
+def test_the_backward_through_a_score_mod_needs_its_derivative():
+    with pytest.raises(ValueError, match="needs score_mod_grad"):
+        numbaflash.attention_backward(Q, Q, Q, Q, Q, np.zeros((1, 2, 8), np.float32), score_mod=score_plus_one)
+
+
+def test_a_compile_error_names_the_function_and_its_line():
+    def broken(score, b, h, q_idx, kv_idx):
+        return score + score.no_such_method()
+
+    with pytest.raises(TypeError, match=r"broken \(.*test_mods.py:\d+\) cannot be compiled"):
+        numbaflash.attention(Q, Q, Q, score_mod=broken)
