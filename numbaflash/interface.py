@@ -230,7 +230,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
 def _scale_arg(call):
     """softmax_scale * log2(e) in the accumulator type: the kernels work in base 2; softmax_scale itself for
     modified scores, which the modifications take in natural units (`kernels.mods`)."""
-    scale = call.softmax_scale if call.mods.active else call.softmax_scale * LOG2E
+    scale = call.softmax_scale if call.mods.scores_modified else call.softmax_scale * LOG2E
     return _accumulator_scalar(call)(scale)
 
 

@@ -53,6 +53,11 @@ class Mods:
         return self.softcap or self.alibi or self.score_mod is not None or self.mask_mod is not None
 
     @property
+    def scores_modified(self):
+        """Whether scores change (softcap, ALiBi, score_mod); a mask_mod alone leaves visible scores as they are."""
+        return self.softcap or self.alibi or self.score_mod is not None
+
+    @property
     def user_functions(self):
         """The user's functions, which the disk cache cannot key (their globals may change): such kernels
         are compiled once per process instead."""

@@ -8,7 +8,7 @@ from numba import cuda, uint16
 from numbaflash.kernels.intrinsics import (SIMULATOR, cp_async_16, cp_async_commit, cp_async_mbarrier_arrive,
                                            cp_async_wait_all, device_function, ex2, group_max, group_sum, ldmatrix_x4,
                                            ldmatrix_x4_trans, load4, mbarrier_arrive, mbarrier_init, mbarrier_try_wait,
-                                           mma_bf16, mma_f16, pack_bf16, pack_f16)
+                                           mma_bf16, mma_f16, pack_bf16, pack_f16, rcp)
 
 HALVES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
@@ -103,24 +103,27 @@ def test_cp_async_copies_16_bytes_and_zero_fills(arrays):
 
 
 @cuda.jit
-def pack_kernel(x, f16, bf16, e2):
+def pack_kernel(x, f16, bf16, e2, r):
     i = cuda.grid(1)
     if i < x.shape[0] // 2:
         f16[i] = pack_f16(x[2 * i], x[2 * i + 1])
         bf16[i] = pack_bf16(x[2 * i], x[2 * i + 1])
     if i < x.shape[0]:
         e2[i] = ex2(x[i])
+        r[i] = rcp(x[i])
 
 
-def test_pack_rounds_to_nearest_and_ex2_is_two_to_the_x(arrays):
+def test_pack_rounds_to_nearest_and_ex2_and_rcp_are_their_functions(arrays):
     to_device, to_host = arrays
     rng = np.random.default_rng(1)
     x = (rng.standard_normal(64) * 4).astype(np.float32)
-    f16, bf16, e2 = (to_device(np.zeros(n, dt)) for n, dt in ((32, np.uint32), (32, np.uint32), (64, np.float32)))
-    pack_kernel[1, 64](to_device(x), f16, bf16, e2)
+    f16, bf16, e2, r = (to_device(np.zeros(n, dt)) for n, dt in ((32, np.uint32), (32, np.uint32), (64, np.float32),
+                                                                 (64, np.float32)))
+    pack_kernel[1, 64](to_device(x), f16, bf16, e2, r)
     np.testing.assert_array_equal(to_host(f16), x.astype(np.float16).view(np.uint32))
     np.testing.assert_array_equal(to_host(bf16), x.astype(ml_dtypes.bfloat16).view(np.uint32))
     np.testing.assert_allclose(to_host(e2), np.exp2(x.astype(np.float64)), rtol=2e-7)  # ex2.approx: 2 ulp
+    np.testing.assert_allclose(to_host(r), 1 / x.astype(np.float64), rtol=1.2e-7)  # rcp.approx: 1 ulp
 
 
 @cuda.jit

@@ -5,7 +5,7 @@ modifications read at run time, in this order and only those in use: the softcap
 type), the ALiBi slopes (float32 ``(1 or batch, nheads)``), then the user's ``mod_args``. A kernel
 built without takes an empty tuple, and every function here compiles to nothing.
 
-With modifications the kernels work on natural-log scores: ``x = softmax_scale * q . k`` (the kernel's
+With softcap, ALiBi or a score_mod the kernels work on natural-log scores: ``x = softmax_scale * q . k`` (the kernel's
 scale argument is then ``softmax_scale`` itself, not ``softmax_scale * log2(e)``), ``logit`` modifies it,
 and the softmax multiplies by log2(e) before ex2. A hidden score, or a row past the sequence, never
 reaches the user's function: ``mask_mod`` and ``score_mod`` see only indices inside ``[0, seqlen_q) x
@@ -13,13 +13,19 @@ reaches the user's function: ``mask_mod`` and ``score_mod`` see only indices ins
 
 `modifiers` gives, as a `Modifiers`:
 
-* ``logit(x, b, h, row, key, offset, mod)``: the modified natural-log score (``offset = seqlen_k - seqlen_q``).
-* ``logit2(x, b, h, row, key, offset, mod)``: for the backwards, ``(base-2 logit, d modified / d x)`` of a
-  score ``x`` in the kernel's units (``s * scale`` with the kernel's scale argument): ``(x, 1)`` without
+* ``prepare(b, h, mod)``: what the functions below read for batch element ``b`` and head ``h`` (``bh``):
+  the cap and its reciprocal, the head's slope, the user's mod_args; once per head, so a score pays no
+  division and no load of the slopes.
+* ``logit(x, b, h, row, key, distance, bh)``: the modified natural-log score; ``distance`` is ALiBi's
+  ``|row + seqlen_k - seqlen_q - key|`` as a float, which the kernels compute per row once and offset by
+  constants per element (an int-to-float conversion per score ran at an eighth of the FMA rate).
+* ``logit2(x, b, h, row, key, distance, bh)``: for the backwards, ``(base-2 logit, d modified / d x)`` of
+  a score ``x`` in the kernel's units (``s * scale`` with the kernel's scale argument): ``(x, 1)`` without
   modifications, where ``x`` already is a base-2 logit.
-* ``visible(b, h, row, key, mod)``: ``mask_mod``'s verdict (True without one).
+* ``visible(b, h, row, key, bh)``: ``mask_mod``'s verdict (True without one).
 * ``natural(x)``: ``x`` times what turns the kernel's scale units into natural ones: ln(2) without
-  modifications, 1 with (the backwards' dK = natural(scale) dS^T Q).
+  modified scores, 1 with (the backwards' dK = natural(scale) dS^T Q). A mask_mod alone keeps the plain
+  kernel's units: it only hides scores.
 """
 
 import functools
@@ -30,7 +36,7 @@ import numpy as np
 from numba import types
 from numba.np.numpy_support import from_dtype
 
-from .intrinsics import device_function
+from .intrinsics import device_function, ex2, rcp
 
 
 def kernel_type(mods, ACC):
@@ -47,8 +53,20 @@ def values(mods, softcap, slopes, mod_args, ACC):
     return (((ACC(softcap),) if mods.softcap else ()) + ((slopes,) if mods.alibi else ()) + tuple(mod_args))
 
 
+ONE_F32, TWO_F32, TWO_LOG2E = np.float32(1), np.float32(2), np.float32(2 * math.log2(math.e))
+
+
+@device_function
+def fast_tanh(y):
+    """tanh(y) = 1 - 2 / (e^(2 y) + 1) from ex2 and rcp: absolute error about 2^-22 (softcap multiplies it by
+    the cap), where tanh.approx.f32's is 2^-11 relative; +-inf and large |y| give +-1, NaN gives NaN."""
+    return ONE_F32 - TWO_F32 * rcp(ex2(y * TWO_LOG2E) + ONE_F32)
+
+
 class Modifiers(NamedTuple):
-    active: bool
+    modified: bool  # scores change: softcap, ALiBi or score_mod (the kernels then work in natural-log units)
+    masked: bool  # a mask_mod hides keys: every tile's visible scores go through it
+    prepare: object
     logit: object
     logit2: object
     visible: object
@@ -67,88 +85,114 @@ def _user(fn):
 
 
 @functools.lru_cache(maxsize=None)
-def modifiers(mods, ACC):
-    """The `Modifiers` of `Mods` ``mods`` in kernels accumulating in ``ACC``."""
+def modifiers(mods, ACC, fast=False):
+    """The `Modifiers` of `Mods` ``mods`` in kernels accumulating in ``ACC``; ``fast`` (the 16-bit tensor-core
+    kernels) takes softcap's tanh from ex2 and rcp (`fast_tanh`) instead of libdevice's tanhf."""
     ONE, LN2, LOG2E = ACC(1), ACC(math.log(2.0)), ACC(math.log2(math.e))
-    MODIFIED = mods.active
-    SOFTCAP_AT = 0
-    SLOPES_AT = SOFTCAP_AT + int(mods.softcap)
-    USER_AT = SLOPES_AT + int(mods.alibi)
+    MODIFIED, MASKED = mods.scores_modified, mods.mask_mod is not None
+    SLOPES_AT = int(mods.softcap)  # in the kernel's mod tuple
+    SLOPE_AT = 2 * int(mods.softcap)  # in the prepared tuple, after the cap and its reciprocal
+    USER_AT = SLOPE_AT + int(mods.alibi)  # in the prepared tuple
+    USER_AT_KERNEL = SLOPES_AT + int(mods.alibi)
+    tanh = fast_tanh if fast else math.tanh
 
     if mods.softcap:
         @device_function
-        def softcap(x, mod):
-            cap = mod[SOFTCAP_AT]
-            t = math.tanh(x / cap)
-            return cap * t, ONE - t * t
+        def cap_values(mod):
+            return mod[0], ONE / mod[0]
+
+        @device_function
+        def softcap(x, bh):
+            t = tanh(x * bh[1])
+            return bh[0] * t, ONE - t * t
     else:
         @device_function
-        def softcap(x, mod):
+        def cap_values(mod):
+            return ()
+
+        @device_function
+        def softcap(x, bh):
             return x, ONE
 
     if mods.alibi:
         @device_function
-        def alibi(x, b, h, row, key, offset, mod):
+        def slope_values(b, h, mod):
             slopes = mod[SLOPES_AT]
-            slope = slopes[b if slopes.shape[0] > 1 else 0, h]
-            return x - ACC(slope) * ACC(abs(row + offset - key))
+            return (ACC(slopes[b if slopes.shape[0] > 1 else 0, h]),)
+
+        @device_function
+        def alibi(x, distance, bh):
+            return x - bh[SLOPE_AT] * distance
     else:
         @device_function
-        def alibi(x, b, h, row, key, offset, mod):
+        def slope_values(b, h, mod):
+            return ()
+
+        @device_function
+        def alibi(x, distance, bh):
             return x
+
+    if mods.active:
+        @device_function
+        def prepare(b, h, mod):
+            return cap_values(mod) + slope_values(b, h, mod) + mod[USER_AT_KERNEL:]
+    else:
+        @device_function
+        def prepare(b, h, mod):
+            return ()
 
     if mods.score_mod is not None:
         score_mod = _user(mods.score_mod)
         score_mod_grad = _user(mods.score_mod_grad) if mods.score_mod_grad is not None else None
 
         @device_function
-        def user_score(x, b, h, row, key, mod):
-            return ACC(score_mod(x, b, h, row, key, *mod[USER_AT:]))
+        def user_score(x, b, h, row, key, bh):
+            return ACC(score_mod(x, b, h, row, key, *bh[USER_AT:]))
 
         if score_mod_grad is not None:
             @device_function
-            def user_grad(x, b, h, row, key, mod):
-                return ACC(score_mod(x, b, h, row, key, *mod[USER_AT:])), ACC(score_mod_grad(x, b, h, row, key,
-                                                                                             *mod[USER_AT:]))
+            def user_grad(x, b, h, row, key, bh):
+                return (ACC(score_mod(x, b, h, row, key, *bh[USER_AT:])),
+                        ACC(score_mod_grad(x, b, h, row, key, *bh[USER_AT:])))
         else:
             @device_function
-            def user_grad(x, b, h, row, key, mod):  # forward-only kernels never call it
-                return ACC(score_mod(x, b, h, row, key, *mod[USER_AT:])), ONE
+            def user_grad(x, b, h, row, key, bh):  # forward-only kernels never call it
+                return ACC(score_mod(x, b, h, row, key, *bh[USER_AT:])), ONE
     else:
         @device_function
-        def user_score(x, b, h, row, key, mod):
+        def user_score(x, b, h, row, key, bh):
             return x
 
         @device_function
-        def user_grad(x, b, h, row, key, mod):
+        def user_grad(x, b, h, row, key, bh):
             return x, ONE
 
     if mods.mask_mod is not None:
         mask_mod = _user(mods.mask_mod)
 
         @device_function
-        def visible(b, h, row, key, mod):
-            return mask_mod(b, h, row, key, *mod[USER_AT:])
+        def visible(b, h, row, key, bh):
+            return mask_mod(b, h, row, key, *bh[USER_AT:])
     else:
         @device_function
-        def visible(b, h, row, key, mod):
+        def visible(b, h, row, key, bh):
             return True
 
     @device_function
-    def logit(x, b, h, row, key, offset, mod):
-        x, _ = softcap(x, mod)
-        return user_score(alibi(x, b, h, row, key, offset, mod), b, h, row, key, mod)
+    def logit(x, b, h, row, key, distance, bh):
+        x, _ = softcap(x, bh)
+        return user_score(alibi(x, distance, bh), b, h, row, key, bh)
 
     @device_function
-    def logit_grad(x, b, h, row, key, offset, mod):
-        x, dcap = softcap(x, mod)
-        x, duser = user_grad(alibi(x, b, h, row, key, offset, mod), b, h, row, key, mod)
+    def logit_grad(x, b, h, row, key, distance, bh):
+        x, dcap = softcap(x, bh)
+        x, duser = user_grad(alibi(x, distance, bh), b, h, row, key, bh)
         return x, dcap * duser
 
     @device_function
-    def logit2(x, b, h, row, key, offset, mod):
+    def logit2(x, b, h, row, key, distance, bh):
         if MODIFIED:
-            y, grad = logit_grad(x, b, h, row, key, offset, mod)
+            y, grad = logit_grad(x, b, h, row, key, distance, bh)
             return y * LOG2E, grad
         return x, ONE
 
@@ -156,5 +200,4 @@ def modifiers(mods, ACC):
     def natural(x):
         return x if MODIFIED else x * LN2
 
-    return Modifiers(MODIFIED, logit, logit2, visible, natural)
-
+    return Modifiers(MODIFIED, MASKED, prepare, logit, logit2, visible, natural)

@@ -10,7 +10,7 @@ The steps, in the order a key tile goes through them (`sim.online_softmax` is th
 whole arrays), after ``start(acc, m_i, l_i)``, which sets a block's output to 0, its running maxima to
 -inf and its sums to 0:
 
-* ``mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale, mod)``:
+* ``mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale, bh)``:
   hidden scores become -inf (only a tile the causal/window edge or the sequence's end crosses pays for
   it). With modifications (`kernels.mods`) every tile goes through it: visible scores become their
   modified natural-log scores ``logit(scale * s)``, and hidden ones, including those ``mask_mod`` hides,
@@ -58,7 +58,7 @@ def steps(M, NT, DT, mods=NONE):
     """``(start, mask, online_softmax, rescale_o, finish, write_lse)`` for ``M`` m-tiles of ``8 NT`` keys and ``8 DT``
     output columns, with the modifications ``mods`` (`numbaflash.mods.Mods`)."""
     M_ROWS = 2 * M
-    MODIFIED, logit, _, visible, _ = modifiers(mods, types.float32)
+    MODIFIED, MASKED, _, logit, _, visible, _ = modifiers(mods, types.float32, fast=True)
 
     @device_function
     def logit_scale(scale):
@@ -74,8 +74,8 @@ def steps(M, NT, DT, mods=NONE):
             l_i[r] = ZERO
 
     @device_function
-    def mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale, mod):
-        if not MODIFIED and masks.tile_is_full(row_start, row_end, n_start, n_start + 8 * NT, seqlen_q, seqlen_k,
+    def mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale, bh):
+        if not (MODIFIED or MASKED) and masks.tile_is_full(row_start, row_end, n_start, n_start + 8 * NT, seqlen_q, seqlen_k,
                                                left, right):
             return
         for r in range(M_ROWS):
@@ -84,15 +84,15 @@ def steps(M, NT, DT, mods=NONE):
             lo_r, hi_r = masks.key_range(row, seqlen_q, seqlen_k, left, right)
             if row >= seqlen_q:  # rows past the sequence never reach the user's functions
                 hi_r = lo_r
+            distance = types.float32(row + seqlen_k - seqlen_q - n_start - 2 * t)  # ALiBi's, for the lane's first key
             for j in range(NT):
                 for e in range(2):
                     key = n_start + 8 * j + 2 * t + e
                     x = s[mi * NT + j, 2 * half + e]
-                    if key < lo_r or key >= hi_r:
+                    if key < lo_r or key >= hi_r or not visible(b, h, row, key, bh):
                         x = NEG_INF
                     elif MODIFIED:
-                        x = (logit(x * scale, b, h, row, key, seqlen_k - seqlen_q, mod)
-                             if visible(b, h, row, key, mod) else NEG_INF)
+                        x = logit(x * scale, b, h, row, key, abs(distance - types.float32(8 * j + e)), bh)
                     s[mi * NT + j, 2 * half + e] = x
 
     @device_function

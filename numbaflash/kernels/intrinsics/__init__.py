@@ -26,7 +26,7 @@ Tensor cores (compute capability >= 8.0; register fragments as in the PTX ISA, l
   shared memory, without registers; ``nbytes = 0`` writes zeros. ``cp_async_commit()``,
   ``cp_async_wait_all()`` and ``cp_async_wait_one()`` (all but the newest group landed).
 * ``pack_f16(lo, hi)`` / ``pack_bf16``: two float32 rounded to nearest into one f16x2 / bf16x2 word.
-* ``ex2(x)``: ``ex2.approx.ftz.f32``, 2^x.
+* ``ex2(x)``: ``ex2.approx.ftz.f32``, 2^x; ``rcp(x)``: ``rcp.approx.ftz.f32``, 1 / x (1 ulp).
 
 Hopper (compute capability 9.0, sm_90a; `ptx_hopper`):
 

@@ -121,3 +121,7 @@ def pack_bf16(lo, hi):
 
 def ex2(x):
     return np.float32(np.exp2(np.float32(x)))
+
+def rcp(x):
+    with np.errstate(divide="ignore"):
+        return np.float32(np.float32(1) / np.float32(x))

@@ -182,6 +182,16 @@ def ex2(typingctx, x):
     return sig, codegen
 
 @intrinsic
+def rcp(typingctx, x):
+    sig = types.float32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return _asm(builder, [ir.FloatType()], ir.FloatType(), "rcp.approx.ftz.f32 $0, $1;", "=f,f",
+                    [context.cast(builder, args[0], signature.args[0], types.float32)], False)
+
+    return sig, codegen
+
+@intrinsic
 def float_bits(typingctx, x):
     sig = types.uint32(types.float32)
 

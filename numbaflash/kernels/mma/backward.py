@@ -90,7 +90,7 @@ def build_dkdv(D, tiles, storage, mods=NONE):
     scores, accumulate = products(CHUNK, D, storage, M)
     write_grad = fragment_writer(D, storage)
     statistics = row_statistics(types.float32)
-    MODIFIED, _, logit2, visible, natural = modifiers(mods, types.float32)
+    MODIFIED, MASKED, prepare, _, logit2, visible, natural = modifiers(mods, types.float32, fast=True)
     ZERO, ONE = types.float32(0), types.float32(1)
 
     @device_function
@@ -150,6 +150,7 @@ def build_dkdv(D, tiles, storage, mods=NONE):
 
             for it in range(ntiles):
                 h = hk * group + it // per_head
+                bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)
                 q_start = q_first + (it % per_head) * BLOCK_N
                 at = (it % 2) * BLOCK_N * LD
                 st = (it % 2) * 2 * BLOCK_N
@@ -174,6 +175,8 @@ def build_dkdv(D, tiles, storage, mods=NONE):
                         scores(s, frag, smem, k_at, Q_AT + at + c0 * LD + b_off)
                         full = masks.tile_is_full(c_start, min(c_start + CHUNK, seqlen_q), key_start,
                                                   key_start + BLOCK_M, seqlen_q, seqlen_k, left, right)
+                        # ALiBi's distance of the lane's first query and its row-g key of the warp's first m-tile
+                        distance = types.float32(q_start + c0 + 2 * t + seqlen_k - seqlen_q - warp_key - g)
                         for j in range(NT):
                             for e in range(2):
                                 col = c0 + 8 * j + 2 * t + e
@@ -185,10 +188,11 @@ def build_dkdv(D, tiles, storage, mods=NONE):
                                     mi, half = r // 2, r % 2
                                     key = warp_key + lane_row(r, g)
                                     p, grad = ZERO, ZERO
-                                    if key >= lo_q and key < hi_q and (not MODIFIED or (
-                                            row < seqlen_q and visible(b, h, row, key, mod))):
-                                        x, grad = logit2(s[mi * NT + j, 2 * half + e] * scale_log2, b, h, row,
-                                                                  key, seqlen_k - seqlen_q, mod)
+                                    if key >= lo_q and key < hi_q and (not (MODIFIED or MASKED) or (
+                                            row < seqlen_q and visible(b, h, row, key, bh))):
+                                        x, grad = logit2(s[mi * NT + j, 2 * half + e] * scale_log2, b, h, row, key,
+                                                         abs(distance + types.float32(8 * j + e - lane_row(r, 0))),
+                                                         bh)
                                         p = ex2(x - stats[st + col])
                                     s[mi * NT + j, 2 * half + e] = p
                                     if MODIFIED:
@@ -230,7 +234,7 @@ def build_dq(D, tiles, storage, mods=NONE):
     scores, accumulate = products(CHUNK, D, storage, M)
     write_grad = fragment_writer(D, storage)
     statistics = row_statistics(types.float32)
-    MODIFIED, _, logit2, visible, natural = modifiers(mods, types.float32)
+    MODIFIED, MASKED, prepare, _, logit2, visible, natural = modifiers(mods, types.float32, fast=True)
     ZERO = types.float32(0)
 
     def attention_backward_dq_mma(q, k, v, dout, lse, delta, dq, scale_log2, left, right, vec, mod):
@@ -238,6 +242,7 @@ def build_dq(D, tiles, storage, mods=NONE):
         # headdim); lse, delta: (batch, nheads, seqlen_q)
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
+        bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)
         tid = cuda.threadIdx.x
         warp, lane = tid // 32, tid % 32
         g, t = lane >> 2, lane & 3
@@ -294,15 +299,16 @@ def build_dq(D, tiles, storage, mods=NONE):
                         for r in range(M_ROWS):
                             mi, half = r // 2, r % 2
                             row = warp_row + lane_row(r, g)
+                            distance = types.float32(row + seqlen_k - seqlen_q - c_start - 2 * t)  # ALiBi's, first key
                             for j in range(NT):
                                 for e in range(2):
                                     key = c_start + 8 * j + 2 * t + e
                                     x = mi * NT + j
                                     ds = ZERO
-                                    if (full or (key >= lo_r[r] and key < hi_r[r])) and (not MODIFIED or (
-                                            row < seqlen_q and visible(b, h, row, key, mod))):
+                                    if (full or (key >= lo_r[r] and key < hi_r[r])) and (not (MODIFIED or MASKED) or (
+                                            row < seqlen_q and visible(b, h, row, key, bh))):
                                         x2, grad = logit2(s[x, 2 * half + e] * scale_log2, b, h, row, key,
-                                                          seqlen_k - seqlen_q, mod)
+                                                          abs(distance - types.float32(8 * j + e)), bh)
                                         ds = ex2(x2 - lse2[r]) * (dp[x, 2 * half + e] - dsum[r]) * grad
                                     dp[x, 2 * half + e] = ds
                         accumulate(dq_acc, dp, frag, smem, K_AT + at + c0 * LD + t_off)  # dQ += dS K

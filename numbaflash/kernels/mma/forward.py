@@ -18,7 +18,7 @@ from ..blocks import TENSOR_CORE_FORWARD, query_block, write_hidden_rows
 from ..intrinsics import cp_async_commit, cp_async_wait_all, cp_async_wait_one
 from ..fragments import fragment_writer
 from .tiles import lane_offsets, products, row_stride, stager
-from ..mods import kernel_type
+from ..mods import kernel_type, modifiers
 from ..softmax import steps
 
 
@@ -44,6 +44,7 @@ def build(D, tiles, storage, mods=NONE):
     stage = stager(D, THREADS)
     scores, accumulate = products(BLOCK_N, D, storage, M)
     write_out = fragment_writer(D, storage)
+    prepare = modifiers(mods, types.float32, fast=True).prepare
     start, mask, online_softmax, rescale_o, finish, write_lse = steps(M, NT, DT, mods)
 
     def attention_forward_mma(q, k, v, out, lse, scale_log2, left, right, vec, mod):
@@ -51,6 +52,7 @@ def build(D, tiles, storage, mods=NONE):
         # lse: (batch, nheads, seqlen_q)
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
+        bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)
         tid = cuda.threadIdx.x
         warp, lane = tid // 32, tid % 32
         g, t = lane >> 2, lane & 3
@@ -95,7 +97,7 @@ def build(D, tiles, storage, mods=NONE):
 
             scores(s, frag, smem, q_at, k_base + b_off)
 
-            mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale_log2, mod)
+            mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale_log2, bh)
             online_softmax(s, m_i, l_i, alpha, scale_log2)
             rescale_o(acc, alpha)
             accumulate(acc, s, frag, smem, v_base + t_off)  # O += P V, P rounded to 16 bits

@@ -145,7 +145,7 @@ def build_dkdv(D, tiles, storage, mods=NONE):
     grad_patch = in_parts(outer_product(TK, VV, TD // VV, COLS_T * VV), BLOCK_Q)  # dV += P^T dO, dK += dS^T Q
     write_row = patch_writer(TD, VV, COLS_T, from_acc)
     load_rows = _rows_statistics(TQ, ACC)
-    _, _, logit2, visible, natural = modifiers(mods, ACC)
+    _, _, prepare, _, logit2, visible, natural = modifiers(mods, ACC)
 
     def attention_backward_dkdv(q, k, v, dout, lse, delta, dk, dv, scale_log2, left, right, vec, mod):
         # q, dout: (batch, seqlen_q, nheads, headdim); k, v, dk, dv: (batch, seqlen_k, nheads_kv, headdim)
@@ -178,6 +178,7 @@ def build_dkdv(D, tiles, storage, mods=NONE):
             lse2 = cuda.local.array(TQ, ACC)
             dsum = cuda.local.array(TQ, ACC)
             for h in range(hk * group, (hk + 1) * group):
+                bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)
                 for q_start in range((q_lo // BLOCK_Q) * BLOCK_Q, q_hi, BLOCK_Q):
                     q_end = min(q_start + BLOCK_Q, seqlen_q)
                     cuda.syncthreads()  # the previous tile's products are done with every buffer
@@ -194,12 +195,13 @@ def build_dkdv(D, tiles, storage, mods=NONE):
                     for bb in range(TQ):
                         row = q_start + c * TQ + bb
                         lo_b, hi_b = masks.key_range(row, seqlen_q, seqlen_k, left, right)
+                        distance = ACC(row + seqlen_k - seqlen_q - key_start - r * TK)  # ALiBi's, first key
                         for a in range(TK):
                             key = key_start + r * TK + a
                             p, grad = ZERO, ZERO
                             if ((full or (key >= lo_b and key < hi_b)) and row < seqlen_q
-                                    and visible(b, h, row, key, mod)):
-                                x, grad = logit2(s[a, bb], b, h, row, key, seqlen_k - seqlen_q, mod)
+                                    and visible(b, h, row, key, bh)):
+                                x, grad = logit2(s[a, bb], b, h, row, key, abs(distance - ACC(a)), bh)
                                 p = math.exp2(x - lse2[bb])
                             p_s[(c * TQ + bb) * LDP + r * TK + a] = p
                             ds_s[(c * TQ + bb) * LDP + r * TK + a] = p * (dp[a, bb] - dsum[bb]) * grad
@@ -236,12 +238,13 @@ def build_dq(D, tiles, storage, mods=NONE):
     grad_patch = in_parts(outer_product(TM, VV, TD // VV, COLS_T * VV), BLOCK_N)  # dQ += dS K over the keys
     write_row = patch_writer(TD, VV, COLS_T, from_acc)
     load_rows = _rows_statistics(TM, ACC)
-    _, _, logit2, visible, natural = modifiers(mods, ACC)
+    _, _, prepare, _, logit2, visible, natural = modifiers(mods, ACC)
 
     def attention_backward_dq(q, k, v, dout, lse, delta, dq, scale_log2, left, right, vec, mod):
         # q, dout, dq: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim)
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
+        bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)
         tid = cuda.threadIdx.x
         r, c = tid // COLS_T, tid % COLS_T
 
@@ -278,12 +281,12 @@ def build_dq(D, tiles, storage, mods=NONE):
                 for a in range(TM):
                     row = row_start + r * TM + a
                     lo_a, hi_a = masks.key_range(row, seqlen_q, seqlen_k, left, right)
+                    distance = ACC(row + seqlen_k - seqlen_q - n_start - c * TN)  # ALiBi's, for the first key
                     for bb in range(TN):
                         key = n_start + c * TN + bb
                         ds = ZERO
-                        if (full or (key >= lo_a and key < hi_a)) and row < seqlen_q and visible(b, h, row,
-                                                                                                          key, mod):
-                            x, grad = logit2(s[a, bb], b, h, row, key, seqlen_k - seqlen_q, mod)
+                        if (full or (key >= lo_a and key < hi_a)) and row < seqlen_q and visible(b, h, row, key, bh):
+                            x, grad = logit2(s[a, bb], b, h, row, key, abs(distance - ACC(bb)), bh)
                             ds = math.exp2(x - lse2[a]) * (dp[a, bb] - dsum[a]) * grad
                         ds_t[(c * TN + bb) * LDD + r * TM + a] = ds
                 cuda.syncthreads()  # everyone is done with K^T; dS^T is complete

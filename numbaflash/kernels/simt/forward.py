@@ -57,7 +57,7 @@ def build(D, tiles, storage, mods=NONE):
     (LDQ, LDK, LDV, LDP), (Q_AT, K_AT, V_AT, P_AT, END) = layout(D, tiles)
     ZERO, ONE, NEG_INF, LN2, LOG2E = ACC(0), ACC(1), ACC(-np.inf), ACC(math.log(2.0)), ACC(math.log2(math.e))
     # Unpacked: a kernel calls functions it closes over, not attributes of an object numba cannot type.
-    MODIFIED, logit, _, visible, _ = modifiers(mods, ACC)
+    MODIFIED, MASKED, prepare, logit, _, visible, _ = modifiers(mods, ACC)
     stage_q, _ = stagers(BLOCK_M, D, THREADS, ZERO, to_acc)
     stage_k, stage_v = stagers(BLOCK_N, D, THREADS, ZERO, to_acc)
     scores_patch = in_parts(outer_product(TM, TN, 1, 0), 32)  # S = Q K^T over the head dimension
@@ -73,6 +73,7 @@ def build(D, tiles, storage, mods=NONE):
         # lse: (batch, nheads, seqlen_q)
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
+        bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)
         tid = cuda.threadIdx.x
         r, c = tid // COLS_T, tid % COLS_T
 
@@ -111,17 +112,18 @@ def build(D, tiles, storage, mods=NONE):
 
             # Only tiles that straddle the mask edge or the end of the keys pay for per-element masking,
             # unless modifications (`kernels.mods`) turn every visible score.
-            if MODIFIED or not masks.tile_is_full(row_start, row_end, n_start, n_start + BLOCK_N, seqlen_q, seqlen_k,
+            if MODIFIED or MASKED or not masks.tile_is_full(row_start, row_end, n_start, n_start + BLOCK_N, seqlen_q, seqlen_k,
                                                   left, right):
                 for a in range(TM):
                     row = row_start + r * TM + a
                     lo_a, hi_a = masks.key_range(row, seqlen_q, seqlen_k, left, right)
+                    distance = ACC(row + seqlen_k - seqlen_q - n_start - c * TN)  # ALiBi's, for the first key
                     for bb in range(TN):
                         key = n_start + c * TN + bb
-                        if key < lo_a or key >= hi_a or row >= seqlen_q or not visible(b, h, row, key, mod):
+                        if key < lo_a or key >= hi_a or row >= seqlen_q or not visible(b, h, row, key, bh):
                             s[a, bb] = NEG_INF
                         elif MODIFIED:  # Q was scaled by softmax_scale: natural-log scores
-                            s[a, bb] = logit(s[a, bb], b, h, row, key, seqlen_k - seqlen_q, mod) * LOG2E
+                            s[a, bb] = logit(s[a, bb], b, h, row, key, abs(distance - ACC(bb)), bh) * LOG2E
 
             # Online softmax: the new row max, and a rescale of what was summed against the old one.
             for a in range(TM):

@@ -20,7 +20,7 @@ from ..blocks import TENSOR_CORE_FORWARD, query_block, write_hidden_rows
 from ..intrinsics import (cp_async_commit, device_function, cp_async_wait_all, fence_proxy_async, shared_address, wgmma_commit,
                          wgmma_fence, wgmma_wait0, wgmma_wait1)
 from ..fragments import fragment_writer
-from ..mods import kernel_type
+from ..mods import kernel_type, modifiers
 from ..softmax import steps
 from .tiles import ALIGN, advance, aligned_base, descriptors, pack_p, products, stager
 
@@ -48,6 +48,7 @@ def build(D, tiles, storage, mods=NONE):
     stage_q, stage_kv = stager(D, BLOCK_M, THREADS), stager(D, BLOCK_N, THREADS)
     scores, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage)
     pack = pack_p(BLOCK_N, storage)
+    prepare = modifiers(mods, types.float32, fast=True).prepare
     start, mask, online_softmax, rescale_o, finish, write_lse = steps(1, NT, DT, mods)
     write_out = fragment_writer(D, storage)
 
@@ -69,9 +70,9 @@ def build(D, tiles, storage, mods=NONE):
 
     @device_function
     def softmax_tile(s, acc, p, m_i, l_i, alpha, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k,
-                     left, right, scale_log2, mod):
+                     left, right, scale_log2, bh):
         # mask -> online softmax (while the previous P V may still run) -> rescale O -> P for the next P V
-        mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale_log2, mod)
+        mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale_log2, bh)
         online_softmax(s, m_i, l_i, alpha, scale_log2)
         wgmma_wait0()  # O and P are no longer read by the tensor cores
         rescale_o(acc, alpha)
@@ -82,6 +83,7 @@ def build(D, tiles, storage, mods=NONE):
         # lse: (batch, nheads, seqlen_q)
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
+        bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)
         tid = cuda.threadIdx.x
         wg, warp, lane = tid // 128, (tid % 128) // 32, tid % 32
         g, t = lane >> 2, lane & 3
@@ -118,7 +120,7 @@ def build(D, tiles, storage, mods=NONE):
         wgmma_commit()
         wgmma_wait0()
         softmax_tile(s, acc, p, m_i, l_i, alpha, b, h, warp_row, g, t, n_first, row_start, row_end, seqlen_q, seqlen_k,
-                     left, right, scale_log2, mod)
+                     left, right, scale_log2, bh)
 
         # Steady state, with no branch around a wgmma (a branch makes the compiler copy accumulators that
         # are in flight, and ptxas then serializes every wgmma: warning C7514).
@@ -133,7 +135,7 @@ def build(D, tiles, storage, mods=NONE):
             wgmma_commit()
             wgmma_wait1()  # S_it is done; P_{it-1} V_{it-1} may still run under the softmax below
             softmax_tile(s, acc, p, m_i, l_i, alpha, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q,
-                         seqlen_k, left, right, scale_log2, mod)
+                         seqlen_k, left, right, scale_log2, bh)
 
         # The last tile's P V.
         sync_tiles()

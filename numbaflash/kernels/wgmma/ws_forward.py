@@ -30,7 +30,7 @@ from ..intrinsics import (cp_async_mbarrier_arrive, cp_async_wait_all, device_fu
                          setmaxnreg_inc, shared_address, tma_load_4d, wgmma_commit, wgmma_fence, wgmma_wait0,
                          wgmma_wait1)
 from ..fragments import fragment_writer
-from ..mods import kernel_type
+from ..mods import kernel_type, modifiers
 from ..softmax import steps
 from . import tensor_maps
 from .forward import STAGES, layout
@@ -70,6 +70,7 @@ def build(D, tiles, storage, mods=NONE):
     stage_q, stage_kv = stager(D, BLOCK_M, PRODUCER), stager(D, BLOCK_N, PRODUCER)
     scores, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage)
     pack = pack_p(BLOCK_N, storage)
+    prepare = modifiers(mods, types.float32, fast=True).prepare
     start, mask, online_softmax, rescale_o, finish, write_lse = steps(1, NT, DT, mods)
     write_out = fragment_writer(D, storage)
     release_registers, take_registers = (setmaxnreg_dec(REGISTERS[CONSUMERS][0]),
@@ -136,8 +137,8 @@ def build(D, tiles, storage, mods=NONE):
 
     @device_function
     def softmax_scores(s, m_i, l_i, alpha, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k,
-                       left, right, scale_log2, mod):
-        mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale_log2, mod)
+                       left, right, scale_log2, bh):
+        mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale_log2, bh)
         online_softmax(s, m_i, l_i, alpha, scale_log2)
 
     def attention_forward_wgmma_ws(q, k, v, out, lse, scale_log2, left, right, vec, maps, mod):
@@ -145,6 +146,7 @@ def build(D, tiles, storage, mods=NONE):
         # lse: (batch, nheads, seqlen_q)
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
+        bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)
         tid = cuda.threadIdx.x
         if lo >= hi:  # the mask hides every key from these rows
             write_hidden_rows(out, lse, b, h, row_start, row_end, types.uint16(0), tid, THREADS)
@@ -195,7 +197,7 @@ def build(D, tiles, storage, mods=NONE):
             wgmma_wait0()
             release(smem, base, K_EMPTY, 0)
             softmax_scores(s, m_i, l_i, alpha, b, h, warp_row, g, t, n_first, row_start, row_end, seqlen_q, seqlen_k,
-                           left, right, scale_log2, mod)
+                           left, right, scale_log2, bh)
             rescale_o(acc, alpha)
             pack(p, s)
 
@@ -212,7 +214,7 @@ def build(D, tiles, storage, mods=NONE):
                 wgmma_wait1()  # S_it is done; P_{it-1} V_{it-1} may still run under the softmax below
                 release(smem, base, K_EMPTY, it)
                 softmax_scores(s, m_i, l_i, alpha, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q,
-                               seqlen_k, left, right, scale_log2, mod)
+                               seqlen_k, left, right, scale_log2, bh)
                 wgmma_wait0()  # O and P are no longer read by the tensor cores
                 release(smem, base, V_EMPTY, it - 1)
                 rescale_o(acc, alpha)
