@@ -54,7 +54,7 @@ def modifications(name, seqlen_q, seqlen_k, batch=BATCH, nheads=NHEADS, seed=0):
     if name == "softcap, ALiBi":
         return dict(softcap=1.5, alibi_slopes=rng.uniform(0.05, 0.5, (batch, nheads)).astype(np.float32))
     if name == "bias table, documents":
-        bias = rng.standard_normal((nheads, seqlen_q + seqlen_k)).astype(np.float32)
+        bias = rng.standard_normal((nheads, 2 * max(seqlen_q, seqlen_k))).astype(np.float32)  # q_idx - kv_idx + width/2
         doc_k = np.sort(rng.integers(0, 4, (batch, seqlen_k)), axis=1).astype(np.int32)
         doc_q = np.sort(rng.integers(0, 5, (batch, seqlen_q)), axis=1).astype(np.int32)  # document 4 has no keys
         return dict(score_mod=relative_bias, score_mod_grad=relative_bias_grad, mask_mod=same_document,
@@ -97,6 +97,18 @@ def test_forward(family, name, arrays, poisoned, mode):
 def test_backward(dtype, name, arrays, poisoned):
     """CUDA cores for float32, mma.sync for float16: the two backward families."""
     check_backward(case_of(name, dtype), numbaflash.attention, numbaflash.attention_backward, *arrays)
+
+
+def test_full_tiles_modify_every_score_without_masking(arrays, poisoned):
+    """Tiles that the mask leaves whole take the tensor-core forwards' branch-free path (`kernels.softmax.mask`):
+    no causal mask, no mask_mod, rows that fill whole warps; the last key tile is partial."""
+    rng = np.random.default_rng(4)
+    bias = rng.standard_normal((1, 2 * 64)).astype(np.float32)
+    modifications = dict(softcap=2.0, alibi_slopes=np.array([0.3], np.float32), score_mod=relative_bias,
+                         score_mod_grad=relative_bias_grad, mod_args=(bias, bias, bias))
+    case = Case(1, 64, 40, 1, 1, 16, "float16", logit_scale=2.0, seed=4, modifications=modifications)
+    dtype, tiles = FAMILIES["mma"]
+    check_forward(case, forward_of(case, tiles), *arrays)
 
 
 # At real sizes every family, with the production tiles: (dtype, head dim, forward tiles).

@@ -59,6 +59,7 @@ def steps(M, NT, DT, mods=NONE):
     output columns, with the modifications ``mods`` (`numbaflash.mods.Mods`)."""
     M_ROWS = 2 * M
     MODIFIED, MASKED, _, logit, _, visible, _ = modifiers(mods, types.float32, fast=True)
+    USER_SCORES = mods.score_mod is not None
 
     @device_function
     def logit_scale(scale):
@@ -75,9 +76,22 @@ def steps(M, NT, DT, mods=NONE):
 
     @device_function
     def mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale, bh):
-        if not (MODIFIED or MASKED) and masks.tile_is_full(row_start, row_end, n_start, n_start + 8 * NT, seqlen_q, seqlen_k,
-                                               left, right):
-            return
+        if not MASKED and masks.tile_is_full(row_start, row_end, n_start, n_start + 8 * NT, seqlen_q, seqlen_k, left,
+                                             right):
+            if not MODIFIED:
+                return
+            if not USER_SCORES or warp_row + 16 * M <= seqlen_q:
+                # Every score visible and every index in bounds: modified without a branch per score.
+                for r in range(M_ROWS):
+                    mi, half = r // 2, r % 2
+                    row = warp_row + lane_row(r, g)
+                    distance = types.float32(row + seqlen_k - seqlen_q - n_start - 2 * t)
+                    for j in range(NT):
+                        for e in range(2):
+                            s[mi * NT + j, 2 * half + e] = logit(s[mi * NT + j, 2 * half + e] * scale, b, h, row,
+                                                                 n_start + 8 * j + 2 * t + e,
+                                                                 abs(distance - types.float32(8 * j + e)), bh)
+                return
         for r in range(M_ROWS):
             mi, half = r // 2, r % 2
             row = warp_row + lane_row(r, g)

@@ -91,6 +91,9 @@ def build_dkdv(D, tiles, storage, mods=NONE):
     write_grad = fragment_writer(D, storage)
     statistics = row_statistics(types.float32)
     MODIFIED, MASKED, prepare, _, logit2, visible, natural = modifiers(mods, types.float32, fast=True)
+    # The user's functions see only in-bounds visible indices; softcap and ALiBi are safe on any score, rows past
+    # the sequence included (their P is 0), and pay no branch per score.
+    GUARDED = MASKED or mods.score_mod is not None
     ZERO, ONE = types.float32(0), types.float32(1)
 
     @device_function
@@ -188,7 +191,7 @@ def build_dkdv(D, tiles, storage, mods=NONE):
                                     mi, half = r // 2, r % 2
                                     key = warp_key + lane_row(r, g)
                                     p, grad = ZERO, ZERO
-                                    if key >= lo_q and key < hi_q and (not (MODIFIED or MASKED) or (
+                                    if key >= lo_q and key < hi_q and (not GUARDED or (
                                             row < seqlen_q and visible(b, h, row, key, bh))):
                                         x, grad = logit2(s[mi * NT + j, 2 * half + e] * scale_log2, b, h, row, key,
                                                          abs(distance + types.float32(8 * j + e - lane_row(r, 0))),
@@ -235,6 +238,9 @@ def build_dq(D, tiles, storage, mods=NONE):
     write_grad = fragment_writer(D, storage)
     statistics = row_statistics(types.float32)
     MODIFIED, MASKED, prepare, _, logit2, visible, natural = modifiers(mods, types.float32, fast=True)
+    # The user's functions see only in-bounds visible indices; softcap and ALiBi are safe on any score, rows past
+    # the sequence included (their P is 0), and pay no branch per score.
+    GUARDED = MASKED or mods.score_mod is not None
     ZERO = types.float32(0)
 
     def attention_backward_dq_mma(q, k, v, dout, lse, delta, dq, scale_log2, left, right, vec, mod):
@@ -305,7 +311,7 @@ def build_dq(D, tiles, storage, mods=NONE):
                                     key = c_start + 8 * j + 2 * t + e
                                     x = mi * NT + j
                                     ds = ZERO
-                                    if (full or (key >= lo_r[r] and key < hi_r[r])) and (not (MODIFIED or MASKED) or (
+                                    if (full or (key >= lo_r[r] and key < hi_r[r])) and (not GUARDED or (
                                             row < seqlen_q and visible(b, h, row, key, bh))):
                                         x2, grad = logit2(s[x, 2 * half + e] * scale_log2, b, h, row, key,
                                                           abs(distance - types.float32(8 * j + e)), bh)
