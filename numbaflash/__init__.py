@@ -16,6 +16,8 @@ _LAZY = {
     "plan": "interface",
     "Plan": "tiling",
     "Device": "tiling",
+    "block_mask": "block_sparsity",
+    "BlockMask": "block_sparsity",
 }
 
 __all__ = ["reference_forward", "reference_backward", *_LAZY]

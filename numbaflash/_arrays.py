@@ -138,6 +138,20 @@ def empty(like, shape, dtype):
         return cupy.empty(shape, dtype=_numpy_dtype(dtype))
 
 
+def from_host(like, array):
+    """NumPy ``array`` as an array of the kind and device of ``like`` (a copy on the GPU)."""
+    if like.kind == "numpy":
+        return describe(array, "table")
+    if like.kind == "torch":
+        import torch
+
+        return describe(torch.from_numpy(array).to(like.obj.device), "table")
+    import cupy
+
+    with cupy.cuda.Device(like.device):
+        return describe(cupy.asarray(array), "table")
+
+
 def _numpy_dtype(name):
     if name == "bfloat16":
         import ml_dtypes
@@ -165,4 +179,4 @@ def stream_of(op):
     return Stream(ptr, op.device)
 
 
-__all__ = ["Operand", "describe", "empty", "is_device_array", "single_head_view", "stream_of"]
+__all__ = ["Operand", "describe", "empty", "from_host", "is_device_array", "single_head_view", "stream_of"]

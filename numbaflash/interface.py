@@ -1,6 +1,7 @@
 """The public API: `attention`, `attention_backward`, `plan` and `explain`, with every check at the boundary."""
 
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -9,6 +10,7 @@ import numpy as np
 from numba.core.errors import NumbaError
 
 from . import _arrays, arguments, masks, tiling
+from .block_sparsity import BlockMask
 from .mods import NONE, Mods, check as check_mods
 from .kernels import compiled
 from .kernels import mods as kernel_mods
@@ -41,7 +43,8 @@ class Call:
     right: int
     single_head: bool
     mods: Mods = NONE
-    mod_values: tuple = ()  # the kernels' ``mod`` argument (`kernels.mods.values`)
+    mod_values: tuple = ()  # the kernels' ``mod`` argument (`kernels.mods.values`), less a forward's block-mask table
+    block_mask: BlockMask = None
 
     @property
     def device(self):
@@ -112,8 +115,14 @@ def inspect(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), nam
     scale = _check_scale(softmax_scale, headdim)
     call = Call(*ops, batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, dtypes[0], scale, left, right, single_head)
     modifications = {**MODIFICATIONS, **(modifications or {})}
+    block = modifications.pop("block_mask")
+    if block is not None:
+        modifications["mask_mod"] = _check_block_mask(block, modifications["mask_mod"], call)
     modified, softcap, slopes, mod_args = check_mods(**modifications, describe=_boundary_array(call), batch=batch,
                                                      nheads=nheads, backward=backward)
+    if block is not None and not backward:  # the backwards evaluate the mask_mod on every tile they visit
+        modified = dataclasses.replace(modified, block_sparse=True)
+    call.block_mask = block
     if slopes is not None and len(slopes.shape) == 1:
         slopes = _arrays.describe(slopes.obj[None, :], "alibi_slopes")  # (1, nheads): one row for every batch element
     call.mods = modified
@@ -122,7 +131,22 @@ def inspect(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), nam
 
 
 # The modification keyword arguments of attention and attention_backward, and their defaults (off).
-MODIFICATIONS = dict(softcap=0.0, alibi_slopes=None, score_mod=None, score_mod_grad=None, mask_mod=None, mod_args=())
+MODIFICATIONS = dict(softcap=0.0, alibi_slopes=None, score_mod=None, score_mod_grad=None, mask_mod=None, mod_args=(),
+                     block_mask=None)
+
+
+def _check_block_mask(block, mask_mod, call):
+    """The mask_mod a call with ``block`` runs: the block mask's own (the call's mask_mod, if given, must be it)."""
+    if not isinstance(block, BlockMask):
+        raise TypeError(f"block_mask must be None or what numbaflash.block_mask(...) returns; got {type(block).__name__}")
+    sizes = (block.batch, block.nheads, block.seqlen_q, block.seqlen_k)
+    if (block.seqlen_q, block.seqlen_k) != (call.seqlen_q, call.seqlen_k) or block.batch not in (None, call.batch) \
+            or block.nheads not in (None, call.nheads):
+        raise ValueError(f"block_mask was made for (batch, nheads, seqlen_q, seqlen_k) = {sizes}, not for this call's "
+                         f"{(call.batch, call.nheads, call.seqlen_q, call.seqlen_k)} (None matches any)")
+    if mask_mod is not None and mask_mod is not block.mask_mod:
+        raise ValueError("mask_mod differs from the block_mask's own: pass one or the other (the block mask carries it)")
+    return block.mask_mod
 
 
 def _boundary_array(call):
@@ -182,7 +206,8 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), bac
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False, plan=None,
-              softcap=0.0, alibi_slopes=None, score_mod=None, score_mod_grad=None, mask_mod=None, mod_args=()):
+              softcap=0.0, alibi_slopes=None, score_mod=None, score_mod_grad=None, mask_mod=None, mod_args=(),
+              block_mask=None):
     """Exact softmax attention, computed tile by tile without writing the score matrix to memory.
 
     Args:
@@ -206,6 +231,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
             causal and window_size).
         mod_args: arrays (of q's kind and device: integers, bools, float32 or float64) the functions read.
             See `numbaflash.mods` for the order and the limits.
+        block_mask: a `numbaflash.block_mask(mask_mod, ...)`: the kernel visits only the key tiles where the
+            mask shows a score, and calls mask_mod only on tiles it does not show whole.
 
     Returns:
         out with q's shape and dtype; with ``return_lse``, also lse ``(batch, nheads, seqlen_q)`` (``(seqlen_q,)``
@@ -216,7 +243,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     arguments.flag(return_lse, "return_lse")
     call = inspect(q, k, v, causal, softmax_scale, window_size, modifications=dict(
         softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod, score_mod_grad=score_mod_grad,
-        mask_mod=mask_mod, mod_args=mod_args))
+        mask_mod=mask_mod, mod_args=mod_args, block_mask=block_mask))
     with _device_context(call):
         plan = _check_plan(plan, call, "forward") if plan is not None else _plan_for(call, backward=False)
         out = _arrays.empty(call.q, (call.batch, call.seqlen_q, call.nheads, call.headdim), call.dtype)
@@ -282,7 +309,10 @@ def run_forward(call, plan, out, lse):
     tiling.check_copy_engine(plan.tiles, vec)
     if isinstance(plan.tiles, tiling.WgmmaTiles) and plan.tiles.producer:
         args.append(wgmma_ws_forward.tensor_map_args(call.q, call.k, call.v, plan.tiles))
-    _launch(plan, 0, _arrays.stream_of(call.q), call.mods, *args, call.mod_values)
+    mod_values = call.mod_values
+    if call.mods.block_sparse:
+        mod_values = (call.block_mask.key_tiles(plan.block_m, plan.block_n, call.left, call.right, call.q),) + mod_values
+    _launch(plan, 0, _arrays.stream_of(call.q), call.mods, *args, mod_values)
 
 
 def run_backward(call, plan, dout, lse, out, delta, dq, dk, dv):
@@ -303,7 +333,7 @@ def _check_like(op, want, name, like_name):
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                        plan=None, softcap=0.0, alibi_slopes=None, score_mod=None, score_mod_grad=None, mask_mod=None,
-                       mod_args=()):
+                       mod_args=(), block_mask=None):
     """Gradients of `attention` by recomputation from the saved log-sum-exp; deterministic.
 
     Args:
@@ -311,8 +341,10 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         q, k, v, causal, softmax_scale, window_size: as passed to `attention`.
         out, lse: `attention`'s outputs (``return_lse=True``).
         plan: a ``plan(..., backward=True)`` for this call.
-        softcap, alibi_slopes, score_mod, score_mod_grad, mask_mod, mod_args: as passed to `attention`; with a
-            ``score_mod``, ``score_mod_grad`` is required.
+        softcap, alibi_slopes, score_mod, score_mod_grad, mask_mod, mod_args, block_mask: as passed to
+            `attention`; with a ``score_mod``, ``score_mod_grad`` is required. With a block mask the backward
+            evaluates its mask_mod on every tile the causal/window mask shows (it skips no tile yet; `explain`
+            says so).
 
     Returns:
         ``(dq, dk, dv)`` with the shapes and dtypes of q, k, v. For GQA, dk and dv sum over the query
@@ -321,7 +353,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     """
     call = inspect(q, k, v, causal, softmax_scale, window_size, modifications=dict(
         softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod, score_mod_grad=score_mod_grad,
-        mask_mod=mask_mod, mod_args=mod_args), backward=True)
+        mask_mod=mask_mod, mod_args=mod_args, block_mask=block_mask), backward=True)
     if call.single_head:
         for x, name, ndim in ((dout, "dout", 2), (out, "out", 2), (lse, "lse", 1)):
             if len(getattr(x, "shape", ())) != ndim:
@@ -362,14 +394,14 @@ def _compared(standard, flash):
 
 
 def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), backward=False, softcap=0.0,
-            alibi_slopes=None, score_mod=None, score_mod_grad=None, mask_mod=None, mod_args=()):
+            alibi_slopes=None, score_mod=None, score_mod_grad=None, mask_mod=None, mod_args=(), block_mask=None):
     """Which kernel runs for this call and why, its plan, and its HBM traffic as `sim` predicts it."""
     import sim
 
     arguments.flag(backward, "backward")
     call = inspect(q, k, v, causal, softmax_scale, window_size, modifications=dict(
         softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod, score_mod_grad=score_mod_grad,
-        mask_mod=mask_mod, mod_args=mod_args), backward=backward)
+        mask_mod=mask_mod, mod_args=mod_args, block_mask=block_mask), backward=backward)
     with _device_context(call):
         the_plan = _plan_for(call, backward)
     sizes = dict(seqlen_k=call.seqlen_k, batch=call.batch, nheads=call.nheads, nheads_kv=call.nheads_kv,
@@ -387,6 +419,7 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
         the_plan.describe(),
         f"staging     {staging}",
         f"modified    {_modifications_line(call.mods)}",
+        *_block_mask_lines(call, the_plan, backward),
         f"HBM traffic (sim closed form for this plan): {_mib(flash['total_bytes'])} "
         f"(reads {flash['reads']:,}, writes {flash['writes']:,} elements)",
         f"standard attention (S and P through HBM):   {_mib(standard['total_bytes'])}, {_compared(standard, flash)}",
@@ -399,6 +432,18 @@ def _modifications_line(modified):
         return "none (no softcap, ALiBi, score_mod or mask_mod)"
     return (f"{modified.describe()}, compiled into the kernels: every visible score goes through them in natural "
             "units (the traffic below leaves out the slopes and mod_args they read, which the caches serve)")
+
+
+def _block_mask_lines(call, the_plan, backward):
+    if call.block_mask is None:
+        return []
+    if backward:
+        return ["block mask  not used by the backward yet: it evaluates mask_mod on every tile the causal/window "
+                "mask shows (the traffic below is the dense schedule's)"]
+    density = call.block_mask.density(the_plan.block_m, the_plan.block_n)
+    return [f"block mask  {density:.1%} of the {the_plan.block_m} x {the_plan.block_n} tiles are not empty: the "
+            "forward visits only those, and calls mask_mod on the partial ones (the traffic below is the dense "
+            "schedule's; sim does not count block masks yet)"]
 
 
 EXPLAIN_TILE_VISITS = 500_000  # about 5 s of `sim.hardware.predict`: explain skips (and says so) past this

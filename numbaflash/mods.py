@@ -47,6 +47,7 @@ class Mods:
     score_mod_grad: object = None
     mask_mod: object = None
     arg_types: tuple = ()
+    block_sparse: bool = False  # a forward with a `block_sparsity.BlockMask`: it visits only the mask's non-empty tiles
 
     @property
     def active(self):
@@ -67,6 +68,7 @@ class Mods:
         parts = (["softcap"] if self.softcap else []) + (["ALiBi"] if self.alibi else [])
         parts += [f"{name} {_name(f)}" for name, f in (("score_mod", self.score_mod), ("mask_mod", self.mask_mod))
                   if f is not None]
+        parts += ["block mask"] if self.block_sparse else []
         return ", ".join(parts) if parts else "none"
 
 

@@ -55,7 +55,8 @@ def _scores(q, k, softmax_scale, causal, window_size, modifications=None):
     k_per_q_head = np.repeat(k, nheads // nheads_kv, axis=2)  # (batch, seqlen_k, nheads, headdim)
     s = _heads_first(q) @ _heads_first(k_per_q_head).swapaxes(-1, -2) * softmax_scale
     modifications = dict(modifications or {})
-    mask_mod = modifications.pop("mask_mod", None)
+    block = modifications.pop("block_mask", None)  # a block mask only schedules: its mask_mod is the mask
+    mask_mod = modifications.pop("mask_mod", None) or (block.mask_mod if block is not None else None)
     s, ds = mods.modify(s, **modifications)
     mask = visible_mask(seqlen_q, seqlen_k, causal, window_size) & mods.visible(mask_mod, s.shape,
                                                                                   modifications.get("mod_args", ()))

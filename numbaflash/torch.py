@@ -68,7 +68,7 @@ def _modification_arrays(modifications):
 
 
 def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-              score_mod=None, score_mod_grad=None, mask_mod=None, mod_args=()):
+              score_mod=None, score_mod_grad=None, mask_mod=None, mod_args=(), block_mask=None):
     """Differentiable `numbaflash.attention` on torch tensors; shapes, dtypes, masks and modifications as there.
 
     q ``(batch, seqlen_q, nheads, headdim)``, k and v ``(batch, seqlen_k, nheads_kv, headdim)``; returns
@@ -93,5 +93,5 @@ def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), s
         raise ValueError("a gradient through score_mod needs score_mod_grad(score, b, h, q_idx, kv_idx, *mod_args): "
                          "d score_mod / d score (numbaflash does not differentiate Python)")
     modifications = dict(softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod,
-                         score_mod_grad=score_mod_grad, mask_mod=mask_mod, mod_args=tuple(mod_args))
+                         score_mod_grad=score_mod_grad, mask_mod=mask_mod, mod_args=tuple(mod_args), block_mask=block_mask)
     return Attention.apply(q, k, v, causal, softmax_scale, arguments.window(window_size), modifications)

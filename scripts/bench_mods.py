@@ -1,9 +1,11 @@
 """Benchmark the score and mask modifications against the same call without them (GPU).
 
 For each head dim and sequence length (float16, 16 heads, batch x seqlen = 16384), in one run: the plain
-kernel, softcap, ALiBi, both, a per-head temperature as a score_mod, and a mask_mod equal to causal
-against the built-in causal; forward and backward; each reported as its time over the plain (or
-built-in causal) kernel's, with torch SDPA flash's time for scale. Every modified call is first
+kernel, softcap, ALiBi, both, a per-head temperature as a score_mod, a mask_mod equal to causal (dense,
+and through a block mask) against the built-in causal, and 8 equal documents (causal inside each,
+through a block mask) against dense causal attention; forward and backward; each reported as its time
+over the plain (or built-in causal) kernel's, with torch SDPA flash's time for scale (dense, causal
+for the masked rows: the speedup of a document mask shows as a ratio above 1). Every modified call is first
 checked against the float64 reference on one head of one batch element (flash-attn's rule is the
 tests' job; this guards the timings against a kernel that computes something else).
 
@@ -36,6 +38,23 @@ def causal_mask(b, h, q_idx, kv_idx):
     return kv_idx <= q_idx
 
 
+def same_document_causal(b, h, q_idx, kv_idx, doc):
+    return doc[0, q_idx] == doc[0, kv_idx] and kv_idx <= q_idx
+
+
+def block_masks(torch, seqlen, documents=8):
+    """(name, options, over) rows of the block-mask comparison: a mask_mod equal to causal through a block
+    mask against the built-in causal, and ``documents`` equal documents, causal inside each, against dense
+    causal attention over the whole sequence."""
+    import numbaflash
+
+    causal = numbaflash.block_mask(causal_mask, None, None, seqlen, seqlen)
+    doc = (torch.arange(seqlen, device="cuda", dtype=torch.int32) // (seqlen // documents))[None]
+    documents_mask = numbaflash.block_mask(same_document_causal, None, None, seqlen, seqlen, mod_args=(doc,))
+    return [("causal (block mask)", dict(block_mask=causal), "causal (built-in)"),
+            (f"{documents} documents (block mask)", dict(block_mask=documents_mask, mod_args=(doc,)), "causal (built-in)")]
+
+
 def variants(torch, nheads):
     slopes = torch.tensor([2 ** (-8 * (i + 1) / nheads) for i in range(nheads)], device="cuda", dtype=torch.float32)
     temperature = torch.linspace(0.5, 1.5, nheads, device="cuda", dtype=torch.float32)
@@ -55,6 +74,8 @@ def check_one_head(torch, q, k, v, options):
     import numbaflash
     from numbaflash import reference
 
+    if "block_mask" in options:  # made for the whole problem: checked through the dense mask_mod instead
+        options = {**{k: v for k, v in options.items() if k != "block_mask"}, "mask_mod": options["block_mask"].mask_mod}
     one = {key: (value[:1] if key == "alibi_slopes" else tuple(a[:1] for a in value) if key == "mod_args" else value)
            for key, value in options.items()}
     host = {key: (value.cpu().numpy() if key == "alibi_slopes" else tuple(a.cpu().numpy() for a in value)
@@ -76,8 +97,11 @@ def run(headdim, seqlen, passes):
                      for _ in range(4))
     rows = []
     qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-    for name, options in variants(torch, NHEADS).items():
-        causal = options.get("causal", False) or "mask_mod" in options
+    compare = {}
+    rows_of = [(name, options, None) for name, options in variants(torch, NHEADS).items()]
+    for name, options, over in rows_of + block_masks(torch, seqlen):
+        compare[name] = over
+        causal = options.get("causal", False) or "mask_mod" in options or "block_mask" in options
         row = dict(headdim=headdim, seqlen=seqlen, batch=batch, variant=name)
         if seqlen <= 4096:
             row["max_error_one_head"] = check_one_head(torch, q, k, v, options)
@@ -97,8 +121,8 @@ def run(headdim, seqlen, passes):
             row[f"{key}_sdpa_flash_ms"] = time_ms(base)
         rows.append(row)
     for row in rows:
-        reference_row = next(r for r in rows if r["variant"] == ("causal (built-in)" if "causal" in row["variant"]
-                                                                  else "plain"))
+        over = compare[row["variant"]] or ("causal (built-in)" if "causal" in row["variant"] else "plain")
+        reference_row = next(r for r in rows if r["variant"] == over)
         for key in ("forward", "backward"):
             if f"{key}_ms" in row:
                 row[f"{key}_over_plain"] = row[f"{key}_ms"] / reference_row[f"{key}_ms"]

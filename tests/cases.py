@@ -148,7 +148,8 @@ def _naive_probabilities(q, k, v, case):
 def _naive_modified(s, case):
     """The case's modifications on the naive scores ``s`` in their precision: (modified, derivative, mask)."""
     mods = dict(case.modifications or {})
-    mask_mod = mods.pop("mask_mod", None)
+    block = mods.pop("block_mask", None)
+    mask_mod = mods.pop("mask_mod", None) or (block.mask_mod if block is not None else None)
     mask = reference.visible_mask(case.seqlen_q, case.seqlen_k, **case.mask)
     if not case.modifications:
         return s, np.ones_like(s), mask

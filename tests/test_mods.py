@@ -16,7 +16,7 @@ import pytest
 
 import numbaflash
 from numbaflash import tiling
-from cases import Case, check_backward, check_forward
+from cases import Case, check_backward, check_forward, inputs
 from test_scale_and_nan import FAMILIES, forward_of
 
 # Small enough for the simulator (a CUDA thread is a Python thread): two batch elements and two heads, so
@@ -196,3 +196,51 @@ def test_a_compile_error_names_the_function_and_its_line():
 
     with pytest.raises(TypeError, match=r"broken \(.*test_mods.py:\d+\) cannot be compiled"):
         numbaflash.attention(Q, Q, Q, score_mod=broken)
+
+
+# -- block masks
+
+
+def test_a_block_mask_gives_the_dense_mask_mod_result_bit_for_bit(arrays, mode):
+    """Documents of a packed sequence, causal inside each: the forward with the block mask visits only the
+    non-empty tiles and skips mask_mod on full ones, and equals the dense mask_mod call exactly, in every
+    forward family; the backward with it matches the reference."""
+    to_device, to_host = arrays
+    rng = np.random.default_rng(8)
+    seqlen = 40 if mode == "simulator" else 2048
+    doc = np.repeat(np.arange(4), [6, 20, 3, seqlen - 29]).astype(np.int32)[None]  # (1, seqlen)
+    bm = numbaflash.block_mask(same_document_causal, None, None, seqlen, seqlen, mod_args=(doc,))
+    assert 0 < bm.density(16, 16) < 1
+    for family, (dtype, tiles) in FAMILIES.items():
+        case = Case(1, seqlen, seqlen, 1, 1, 16, dtype, seed=8)
+        q, k, v = (to_device(x) for x in inputs(case))
+        forward = forward_of(case, tiles)
+        dense = to_host(forward(q, k, v, mask_mod=same_document_causal, mod_args=(to_device(doc),)))
+        sparse = to_host(forward(q, k, v, block_mask=bm, mod_args=(to_device(doc),)))
+        assert np.array_equal(dense.view(np.uint8), sparse.view(np.uint8)), family
+    case = Case(1, seqlen, seqlen, 1, 1, 16, "float16", seed=8, modifications=dict(block_mask=bm, mod_args=(doc,)))
+    check_backward(case, numbaflash.attention, numbaflash.attention_backward, *arrays)
+
+
+def same_document_causal(b, h, q_idx, kv_idx, doc):
+    return doc[0, q_idx] == doc[0, kv_idx] and kv_idx <= q_idx
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(block_mask="dense"), TypeError, "block_mask must be None or what numbaflash.block_mask"),
+    (dict(block_mask=("wrong sizes",)), TypeError, "block_mask must be None"),
+])
+def test_bad_block_masks_are_refused(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        numbaflash.attention(Q, Q, Q, **kwargs)
+
+
+def test_a_block_mask_for_other_sizes_or_another_mask_mod_is_refused():
+    bm = numbaflash.block_mask(lambda b, h, i, j: j <= i, None, None, 9, 8)
+    with pytest.raises(ValueError, match="block_mask was made for"):
+        numbaflash.attention(Q, Q, Q, block_mask=bm)
+    bm = numbaflash.block_mask(lambda b, h, i, j: j <= i, None, None, 8, 8)
+    with pytest.raises(ValueError, match="mask_mod differs from the block_mask's own"):
+        numbaflash.attention(Q, Q, Q, block_mask=bm, mask_mod=lambda b, h, i, j: True)
+    with pytest.raises(ValueError, match="batch must be an integer >= 1 or None"):
+        numbaflash.block_mask(lambda b, h, i, j: True, 0, None, 8, 8)

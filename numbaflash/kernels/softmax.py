@@ -10,11 +10,12 @@ The steps, in the order a key tile goes through them (`sim.online_softmax` is th
 whole arrays), after ``start(acc, m_i, l_i)``, which sets a block's output to 0, its running maxima to
 -inf and its sums to 0:
 
-* ``mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale, bh)``:
-  hidden scores become -inf (only a tile the causal/window edge or the sequence's end crosses pays for
-  it). With modifications (`kernels.mods`) every tile goes through it: visible scores become their
-  modified natural-log scores ``logit(scale * s)``, and hidden ones, including those ``mask_mod`` hides,
-  -inf; the steps after it then take log2(e) as their scale.
+* ``mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale, bh,
+  block_full)``: hidden scores become -inf (only a tile the causal/window edge or the sequence's end
+  crosses pays for it, and, with a mask_mod, a tile the block mask did not find full: ``block_full``).
+  With softcap, ALiBi or a score_mod (`kernels.mods`) visible scores become their modified natural-log
+  scores ``logit(scale * s)`` (without a branch per score on a tile the mask leaves whole), and the steps
+  after it take log2(e) as their scale.
 * ``online_softmax(s, m_i, l_i, alpha, scale_log2)``: new running maxima ``m_i``, the factor ``alpha``
   by which earlier sums and outputs shrink, ``s`` exponentiated in place (``P``), and the running sums
   ``l_i`` (a lane's partial sum; the quad adds them at the end). Scores stay raw: ``softmax_scale *
@@ -75,8 +76,10 @@ def steps(M, NT, DT, mods=NONE):
             l_i[r] = ZERO
 
     @device_function
-    def mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale, bh):
-        if not MASKED and masks.tile_is_full(row_start, row_end, n_start, n_start + 8 * NT, seqlen_q, seqlen_k, left,
+    def mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale, bh,
+             block_full):
+        masked = MASKED and not block_full  # a block mask found mask_mod true on the whole tile: no need to ask
+        if not masked and masks.tile_is_full(row_start, row_end, n_start, n_start + 8 * NT, seqlen_q, seqlen_k, left,
                                              right):
             if not MODIFIED:
                 return
@@ -103,7 +106,7 @@ def steps(M, NT, DT, mods=NONE):
                 for e in range(2):
                     key = n_start + 8 * j + 2 * t + e
                     x = s[mi * NT + j, 2 * half + e]
-                    if key < lo_r or key >= hi_r or not visible(b, h, row, key, bh):
+                    if key < lo_r or key >= hi_r or (masked and not visible(b, h, row, key, bh)):
                         x = NEG_INF
                     elif MODIFIED:
                         x = logit(x * scale, b, h, row, key, abs(distance - types.float32(8 * j + e)), bh)

@@ -18,6 +18,7 @@ from ..blocks import TENSOR_CORE_FORWARD, query_block, write_hidden_rows
 from ..intrinsics import cp_async_commit, cp_async_wait_all, cp_async_wait_one
 from ..fragments import fragment_writer
 from .tiles import lane_offsets, products, row_stride, stager
+from ..key_tiles import key_tiles
 from ..mods import kernel_type, modifiers
 from ..softmax import steps
 
@@ -46,6 +47,8 @@ def build(D, tiles, storage, mods=NONE):
     write_out = fragment_writer(D, storage)
     prepare = modifiers(mods, types.float32, fast=True).prepare
     start, mask, online_softmax, rescale_o, finish, write_lse = steps(M, NT, DT, mods)
+    tile_count, tile_start, tile_full = key_tiles(mods, BLOCK_M, BLOCK_N)
+    SPARSE = mods.block_sparse
 
     def attention_forward_mma(q, k, v, out, lse, scale_log2, left, right, vec, mod):
         # q, out: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v: (batch, seqlen_k, nheads_kv, headdim)
@@ -60,10 +63,14 @@ def build(D, tiles, storage, mods=NONE):
         if lo >= hi:  # the mask hides every key from these rows
             write_hidden_rows(out, lse, b, h, row_start, row_end, types.uint16(0), tid, THREADS)
             return
+        n_base = (lo // BLOCK_N) * BLOCK_N  # without a block mask, the first tile's first key
+        ntiles = tile_count(mod, b, h, row_start, lo, hi)
+        if SPARSE and ntiles <= 0:  # the block mask hides every key from these rows
+            write_hidden_rows(out, lse, b, h, row_start, row_end, types.uint16(0), tid, THREADS)
+            return
 
         smem = cuda.shared.array(0, types.uint16)
-        n_first = (lo // BLOCK_N) * BLOCK_N
-        ntiles = (hi - n_first + BLOCK_N - 1) // BLOCK_N
+        n_first = tile_start(mod, b, h, row_start, n_base, 0)
         stage(smem, Q_AT, q, b, row_start, h, BLOCK_M, tid, vec)
         stage(smem, K_AT, k, b, n_first, hk, BLOCK_N, tid, vec)
         stage(smem, V_AT, v, b, n_first, hk, BLOCK_N, tid, vec)
@@ -82,13 +89,14 @@ def build(D, tiles, storage, mods=NONE):
         q_at = Q_AT + warp * ROWS * LD + a_off
 
         for it in range(ntiles):
-            n_start = n_first + it * BLOCK_N
+            n_start = tile_start(mod, b, h, row_start, n_base, it)
             k_base = K_AT + (it % 2) * BLOCK_N * LD
             v_base = V_AT + (it % 2) * BLOCK_N * LD
             if it + 1 < ntiles:
                 # The other stage was last read in the previous iteration, which ended with a barrier.
-                stage(smem, K_AT + ((it + 1) % 2) * BLOCK_N * LD, k, b, n_start + BLOCK_N, hk, BLOCK_N, tid, vec)
-                stage(smem, V_AT + ((it + 1) % 2) * BLOCK_N * LD, v, b, n_start + BLOCK_N, hk, BLOCK_N, tid, vec)
+                n_next = tile_start(mod, b, h, row_start, n_base, it + 1)
+                stage(smem, K_AT + ((it + 1) % 2) * BLOCK_N * LD, k, b, n_next, hk, BLOCK_N, tid, vec)
+                stage(smem, V_AT + ((it + 1) % 2) * BLOCK_N * LD, v, b, n_next, hk, BLOCK_N, tid, vec)
                 cp_async_commit()
                 cp_async_wait_one()  # this tile has landed; the next may still be in flight
             else:
@@ -97,7 +105,8 @@ def build(D, tiles, storage, mods=NONE):
 
             scores(s, frag, smem, q_at, k_base + b_off)
 
-            mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale_log2, bh)
+            mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale_log2, bh,
+                 tile_full(mod, b, h, row_start, it))
             online_softmax(s, m_i, l_i, alpha, scale_log2)
             rescale_o(acc, alpha)
             accumulate(acc, s, frag, smem, v_base + t_off)  # O += P V, P rounded to 16 bits

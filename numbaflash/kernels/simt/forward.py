@@ -26,6 +26,7 @@ from .. import elements
 from ..blocks import query_block, write_hidden_rows
 from ..intrinsics import group_max, group_sum
 from ..fragments import fill
+from ..key_tiles import key_tiles
 from ..mods import kernel_type, modifiers
 from .tiles import in_parts, outer_product, patch_writer, stagers, vector_width
 
@@ -58,6 +59,8 @@ def build(D, tiles, storage, mods=NONE):
     ZERO, ONE, NEG_INF, LN2, LOG2E = ACC(0), ACC(1), ACC(-np.inf), ACC(math.log(2.0)), ACC(math.log2(math.e))
     # Unpacked: a kernel calls functions it closes over, not attributes of an object numba cannot type.
     MODIFIED, MASKED, prepare, logit, _, visible, _ = modifiers(mods, ACC)
+    tile_count, tile_start, tile_full = key_tiles(mods, BLOCK_M, BLOCK_N)
+    SPARSE = mods.block_sparse
     stage_q, _ = stagers(BLOCK_M, D, THREADS, ZERO, to_acc)
     stage_k, stage_v = stagers(BLOCK_N, D, THREADS, ZERO, to_acc)
     scores_patch = in_parts(outer_product(TM, TN, 1, 0), 32)  # S = Q K^T over the head dimension
@@ -80,6 +83,11 @@ def build(D, tiles, storage, mods=NONE):
         if lo >= hi:  # the mask hides every key from these rows
             write_hidden_rows(out, lse, b, h, row_start, row_end, from_acc(ZERO), tid, THREADS)
             return
+        n_base = (lo // BLOCK_N) * BLOCK_N  # without a block mask, the first tile's first key
+        ntiles = tile_count(mod, b, h, row_start, lo, hi)
+        if SPARSE and ntiles <= 0:  # the block mask hides every key from these rows
+            write_hidden_rows(out, lse, b, h, row_start, row_end, from_acc(ZERO), tid, THREADS)
+            return
 
         smem = cuda.shared.array(0, ACC)
         q_t = smem[Q_AT:K_AT]  # (D, LDQ): Q^T, pre-scaled
@@ -100,7 +108,8 @@ def build(D, tiles, storage, mods=NONE):
             l_i[a] = ZERO
         fill(acc, TM, TD, ZERO)
 
-        for n_start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
+        for it in range(ntiles):
+            n_start = tile_start(mod, b, h, row_start, n_base, it)
             # Everyone is done reading the previous K, V and P tiles (and the Q tile is complete).
             cuda.syncthreads()
             stage_k(k_t, LDK, k, b, n_start, hk, ONE, tid, vec)
@@ -111,16 +120,17 @@ def build(D, tiles, storage, mods=NONE):
             scores_patch(s, s_part, TM, TN, q_t, r * TM, LDQ, k_t, c * TN, LDK, D)
 
             # Only tiles that straddle the mask edge or the end of the keys pay for per-element masking,
-            # unless modifications (`kernels.mods`) turn every visible score.
-            if MODIFIED or MASKED or not masks.tile_is_full(row_start, row_end, n_start, n_start + BLOCK_N, seqlen_q, seqlen_k,
-                                                  left, right):
+            # unless modifications (`kernels.mods`) turn every visible score or a mask_mod may hide some.
+            masked = MASKED and not tile_full(mod, b, h, row_start, it)  # mask_mod not known true on all of it
+            if MODIFIED or masked or not masks.tile_is_full(row_start, row_end, n_start, n_start + BLOCK_N, seqlen_q,
+                                                            seqlen_k, left, right):
                 for a in range(TM):
                     row = row_start + r * TM + a
                     lo_a, hi_a = masks.key_range(row, seqlen_q, seqlen_k, left, right)
                     distance = ACC(row + seqlen_k - seqlen_q - n_start - c * TN)  # ALiBi's, for the first key
                     for bb in range(TN):
                         key = n_start + c * TN + bb
-                        if key < lo_a or key >= hi_a or row >= seqlen_q or not visible(b, h, row, key, bh):
+                        if key < lo_a or key >= hi_a or row >= seqlen_q or (masked and not visible(b, h, row, key, bh)):
                             s[a, bb] = NEG_INF
                         elif MODIFIED:  # Q was scaled by softmax_scale: natural-log scores
                             s[a, bb] = logit(s[a, bb], b, h, row, key, abs(distance - ACC(bb)), bh) * LOG2E

@@ -20,6 +20,7 @@ from ..blocks import TENSOR_CORE_FORWARD, query_block, write_hidden_rows
 from ..intrinsics import (cp_async_commit, device_function, cp_async_wait_all, fence_proxy_async, shared_address, wgmma_commit,
                          wgmma_fence, wgmma_wait0, wgmma_wait1)
 from ..fragments import fragment_writer
+from ..key_tiles import key_tiles
 from ..mods import kernel_type, modifiers
 from ..softmax import steps
 from .tiles import ALIGN, advance, aligned_base, descriptors, pack_p, products, stager
@@ -50,6 +51,8 @@ def build(D, tiles, storage, mods=NONE):
     pack = pack_p(BLOCK_N, storage)
     prepare = modifiers(mods, types.float32, fast=True).prepare
     start, mask, online_softmax, rescale_o, finish, write_lse = steps(1, NT, DT, mods)
+    tile_count, tile_start, tile_full = key_tiles(mods, BLOCK_M, BLOCK_N)
+    SPARSE = mods.block_sparse
     write_out = fragment_writer(D, storage)
 
     @device_function
@@ -61,18 +64,20 @@ def build(D, tiles, storage, mods=NONE):
         cuda.syncthreads()
 
     @device_function
-    def prefetch(smem, base, k, v, b, hk, n_start, it, ntiles, tid, vec):
+    def prefetch(smem, base, k, v, mod, b, h, hk, row_start, n_base, n_start, it, ntiles, tid, vec):
         # K_{it+1} and V_it (V trails K by one tile): both land during iteration it.
         if it + 1 < ntiles:
-            stage_kv(smem, base + K_AT + ((it + 1) % STAGES) * TILE_N, k, b, n_start + BLOCK_N, hk, tid, vec)
+            stage_kv(smem, base + K_AT + ((it + 1) % STAGES) * TILE_N, k, b, tile_start(mod, b, h, row_start, n_base, it + 1),
+                     hk, tid, vec)
         stage_kv(smem, base + V_AT + (it % STAGES) * TILE_N, v, b, n_start, hk, tid, vec)
         cp_async_commit()
 
     @device_function
     def softmax_tile(s, acc, p, m_i, l_i, alpha, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k,
-                     left, right, scale_log2, bh):
+                     left, right, scale_log2, bh, block_full):
         # mask -> online softmax (while the previous P V may still run) -> rescale O -> P for the next P V
-        mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale_log2, bh)
+        mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale_log2, bh,
+             block_full)
         online_softmax(s, m_i, l_i, alpha, scale_log2)
         wgmma_wait0()  # O and P are no longer read by the tensor cores
         rescale_o(acc, alpha)
@@ -94,8 +99,12 @@ def build(D, tiles, storage, mods=NONE):
 
         smem = cuda.shared.array(0, types.uint16)
         base = aligned_base(smem)
-        n_first = (lo // BLOCK_N) * BLOCK_N
-        ntiles = (hi - n_first + BLOCK_N - 1) // BLOCK_N
+        n_base = (lo // BLOCK_N) * BLOCK_N  # without a block mask, the first tile's first key
+        ntiles = tile_count(mod, b, h, row_start, lo, hi)
+        if SPARSE and ntiles <= 0:  # the block mask hides every key from these rows
+            write_hidden_rows(out, lse, b, h, row_start, row_end, types.uint16(0), tid, THREADS)
+            return
+        n_first = tile_start(mod, b, h, row_start, n_base, 0)
         stage_q(smem, base + Q_AT, q, b, row_start, h, tid, vec)
         stage_kv(smem, base + K_AT, k, b, n_first, hk, tid, vec)
         cp_async_commit()
@@ -114,20 +123,20 @@ def build(D, tiles, storage, mods=NONE):
 
         # The first tile: its scores alone (no P V yet), then its softmax.
         sync_tiles()
-        prefetch(smem, base, k, v, b, hk, n_first, 0, ntiles, tid, vec)
+        prefetch(smem, base, k, v, mod, b, h, hk, row_start, n_base, n_first, 0, ntiles, tid, vec)
         wgmma_fence()
         scores(s, smem, q_desc, k_desc)
         wgmma_commit()
         wgmma_wait0()
         softmax_tile(s, acc, p, m_i, l_i, alpha, b, h, warp_row, g, t, n_first, row_start, row_end, seqlen_q, seqlen_k,
-                     left, right, scale_log2, bh)
+                     left, right, scale_log2, bh, tile_full(mod, b, h, row_start, 0))
 
         # Steady state, with no branch around a wgmma (a branch makes the compiler copy accumulators that
         # are in flight, and ptxas then serializes every wgmma: warning C7514).
         for it in range(1, ntiles):
-            n_start = n_first + it * BLOCK_N
+            n_start = tile_start(mod, b, h, row_start, n_base, it)
             sync_tiles()
-            prefetch(smem, base, k, v, b, hk, n_start, it, ntiles, tid, vec)
+            prefetch(smem, base, k, v, mod, b, h, hk, row_start, n_base, n_start, it, ntiles, tid, vec)
             wgmma_fence()  # S, P and O were last written by ordinary instructions
             scores(s, smem, q_desc, advance(k_desc, 2 * (it % STAGES) * TILE_N))
             wgmma_commit()
@@ -135,7 +144,7 @@ def build(D, tiles, storage, mods=NONE):
             wgmma_commit()
             wgmma_wait1()  # S_it is done; P_{it-1} V_{it-1} may still run under the softmax below
             softmax_tile(s, acc, p, m_i, l_i, alpha, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q,
-                         seqlen_k, left, right, scale_log2, bh)
+                         seqlen_k, left, right, scale_log2, bh, tile_full(mod, b, h, row_start, it))
 
         # The last tile's P V.
         sync_tiles()

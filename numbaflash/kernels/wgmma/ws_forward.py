@@ -30,6 +30,7 @@ from ..intrinsics import (cp_async_mbarrier_arrive, cp_async_wait_all, device_fu
                          setmaxnreg_inc, shared_address, tma_load_4d, wgmma_commit, wgmma_fence, wgmma_wait0,
                          wgmma_wait1)
 from ..fragments import fragment_writer
+from ..key_tiles import key_tiles
 from ..mods import kernel_type, modifiers
 from ..softmax import steps
 from . import tensor_maps
@@ -72,6 +73,8 @@ def build(D, tiles, storage, mods=NONE):
     pack = pack_p(BLOCK_N, storage)
     prepare = modifiers(mods, types.float32, fast=True).prepare
     start, mask, online_softmax, rescale_o, finish, write_lse = steps(1, NT, DT, mods)
+    tile_count, tile_start, tile_full = key_tiles(mods, BLOCK_M, BLOCK_N)
+    SPARSE = mods.block_sparse
     write_out = fragment_writer(D, storage)
     release_registers, take_registers = (setmaxnreg_dec(REGISTERS[CONSUMERS][0]),
                                          setmaxnreg_inc(REGISTERS[CONSUMERS][1]))
@@ -97,12 +100,12 @@ def build(D, tiles, storage, mods=NONE):
             tma_load_4d(smem, dst + a * rows * ATOM, maps, which, a * ATOM, head, row, b, full)
 
     @device_function
-    def produce_tma(smem, base, maps, b, h, hk, row_start, n_first, ntiles, tid):
+    def produce_tma(smem, base, maps, mod, b, h, hk, row_start, n_base, ntiles, tid):
         if tid == 0:
             copy_tile(smem, base + Q_AT, base + Q_FULL, maps, 0, h, row_start, b, BLOCK_M)
             for it in range(ntiles):
                 s, parity = it % STAGES, ((it // STAGES) & 1) ^ 1  # the first round finds every stage empty
-                n_start = n_first + it * BLOCK_N
+                n_start = tile_start(mod, b, h, row_start, n_base, it)
                 wait(smem, base + K_EMPTY + s * BARRIER_ELEMENTS, parity)
                 copy_tile(smem, base + K_AT + s * TILE_N, base + K_FULL + s * BARRIER_ELEMENTS, maps, 1, hk, n_start, b,
                           BLOCK_N)
@@ -111,12 +114,12 @@ def build(D, tiles, storage, mods=NONE):
                           BLOCK_N)
 
     @device_function
-    def produce(smem, base, q, k, v, b, h, hk, row_start, n_first, ntiles, tid, vec):
+    def produce(smem, base, q, k, v, mod, b, h, hk, row_start, n_base, ntiles, tid, vec):
         stage_q(smem, base + Q_AT, q, b, row_start, h, tid, vec)
         landed(smem, base + Q_FULL, vec)
         for it in range(ntiles):
             s, parity = it % STAGES, ((it // STAGES) & 1) ^ 1  # the first round finds every stage empty
-            n_start = n_first + it * BLOCK_N
+            n_start = tile_start(mod, b, h, row_start, n_base, it)
             wait(smem, base + K_EMPTY + s * BARRIER_ELEMENTS, parity)
             stage_kv(smem, base + K_AT + s * TILE_N, k, b, n_start, hk, tid, vec)
             landed(smem, base + K_FULL + s * BARRIER_ELEMENTS, vec)
@@ -137,8 +140,9 @@ def build(D, tiles, storage, mods=NONE):
 
     @device_function
     def softmax_scores(s, m_i, l_i, alpha, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k,
-                       left, right, scale_log2, bh):
-        mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale_log2, bh)
+                       left, right, scale_log2, bh, block_full):
+        mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale_log2, bh,
+             block_full)
         online_softmax(s, m_i, l_i, alpha, scale_log2)
 
     def attention_forward_wgmma_ws(q, k, v, out, lse, scale_log2, left, right, vec, maps, mod):
@@ -151,11 +155,14 @@ def build(D, tiles, storage, mods=NONE):
         if lo >= hi:  # the mask hides every key from these rows
             write_hidden_rows(out, lse, b, h, row_start, row_end, types.uint16(0), tid, THREADS)
             return
+        n_base = (lo // BLOCK_N) * BLOCK_N  # without a block mask, the first tile's first key
+        ntiles = tile_count(mod, b, h, row_start, lo, hi)
+        if SPARSE and ntiles <= 0:  # the block mask hides every key from these rows
+            write_hidden_rows(out, lse, b, h, row_start, row_end, types.uint16(0), tid, THREADS)
+            return
 
         smem = cuda.shared.array(0, types.uint16)
         base = aligned_base(smem)
-        n_first = (lo // BLOCK_N) * BLOCK_N
-        ntiles = (hi - n_first + BLOCK_N - 1) // BLOCK_N
         if tid == 0:
             mbarrier_init(smem, base + Q_FULL, FULL_ARRIVALS)
             for s in range(STAGES):
@@ -168,9 +175,9 @@ def build(D, tiles, storage, mods=NONE):
         if tid < PRODUCER:
             release_registers()
             if TMA:
-                produce_tma(smem, base, maps, b, h, hk, row_start, n_first, ntiles, tid)
+                produce_tma(smem, base, maps, mod, b, h, hk, row_start, n_base, ntiles, tid)
             else:
-                produce(smem, base, q, k, v, b, h, hk, row_start, n_first, ntiles, tid, vec)
+                produce(smem, base, q, k, v, mod, b, h, hk, row_start, n_base, ntiles, tid, vec)
         else:
             take_registers()
             ctid = tid - PRODUCER
@@ -196,14 +203,14 @@ def build(D, tiles, storage, mods=NONE):
             wgmma_commit()
             wgmma_wait0()
             release(smem, base, K_EMPTY, 0)
-            softmax_scores(s, m_i, l_i, alpha, b, h, warp_row, g, t, n_first, row_start, row_end, seqlen_q, seqlen_k,
-                           left, right, scale_log2, bh)
+            softmax_scores(s, m_i, l_i, alpha, b, h, warp_row, g, t, tile_start(mod, b, h, row_start, n_base, 0), row_start,
+                           row_end, seqlen_q, seqlen_k, left, right, scale_log2, bh, tile_full(mod, b, h, row_start, 0))
             rescale_o(acc, alpha)
             pack(p, s)
 
             # Steady state, with no branch around a wgmma (see v3).
             for it in range(1, ntiles):
-                n_start = n_first + it * BLOCK_N
+                n_start = tile_start(mod, b, h, row_start, n_base, it)
                 take(smem, base, K_FULL, it)
                 take(smem, base, V_FULL, it - 1)
                 wgmma_fence()  # S, P and O were last written by ordinary instructions
@@ -214,7 +221,7 @@ def build(D, tiles, storage, mods=NONE):
                 wgmma_wait1()  # S_it is done; P_{it-1} V_{it-1} may still run under the softmax below
                 release(smem, base, K_EMPTY, it)
                 softmax_scores(s, m_i, l_i, alpha, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q,
-                               seqlen_k, left, right, scale_log2, bh)
+                               seqlen_k, left, right, scale_log2, bh, tile_full(mod, b, h, row_start, it))
                 wgmma_wait0()  # O and P are no longer read by the tensor cores
                 release(smem, base, V_EMPTY, it - 1)
                 rescale_o(acc, alpha)

@@ -1,0 +1,130 @@
+"""Block sparsity: which (query tile, key tile) pairs a mask_mod leaves empty, partial or full.
+
+`block_mask` wraps a ``mask_mod`` and the problem's sizes; `BlockMask.classify` evaluates the mask on
+every (b, h, q_idx, kv_idx) once per tile shape (a Numba loop on the host, cached) and labels each
+tile `EMPTY` (no visible score), `PARTIAL` or `FULL` (every score visible). A forward kernel given the
+`BlockMask` visits only the non-empty key tiles of its query tile, in order (`key_tiles`), and calls
+``mask_mod`` only on partial ones; the result is the same as the dense mask_mod's, bit for bit (an
+empty tile adds exp(-inf) = 0 to the sums and leaves the running maxima as they are).
+
+The causal/window mask of the call is applied on top: a tile outside it is skipped as it always was.
+"""
+
+import numbers
+
+import numpy as np
+
+from . import _arrays, masks, mods
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+class BlockMask:
+    """A ``mask_mod`` over (batch, nheads, seqlen_q, seqlen_k); batch or nheads None when it does not depend
+    on them (evaluated at 0, shared by all). ``mod_args``: NumPy arrays, the host copies of those the call
+    passes."""
+
+    def __init__(self, mask_mod, batch, nheads, seqlen_q, seqlen_k, mod_args):
+        self.mask_mod = mask_mod
+        self.batch, self.nheads, self.seqlen_q, self.seqlen_k = batch, nheads, seqlen_q, seqlen_k
+        self.mod_args = mod_args
+        self._classes = {}
+        self._tables = {}
+
+    def __repr__(self):
+        return (f"BlockMask({self.mask_mod.__qualname__}, batch={self.batch}, nheads={self.nheads}, "
+                f"seqlen_q={self.seqlen_q}, seqlen_k={self.seqlen_k})")
+
+    def classify(self, block_m, block_n):
+        """int8 ``(batch or 1, nheads or 1, cdiv(seqlen_q, block_m), cdiv(seqlen_k, block_n))`` of EMPTY, PARTIAL, FULL."""
+        if (block_m, block_n) not in self._classes:
+            visible = mods.visible(self.mask_mod, (self.batch or 1, self.nheads or 1, self.seqlen_q, self.seqlen_k),
+                                   self.mod_args)
+            self._classes[block_m, block_n] = _classify(visible, block_m, block_n)
+        return self._classes[block_m, block_n]
+
+    def key_tiles(self, block_m, block_n, left, right, like):
+        """The forward's schedule (`kernels.key_tiles`): int32 ``(batch or 1, nheads or 1, query tiles, key tiles
+        + 2)``; entry 0 of a query tile counts the key tiles it visits, those the block mask finds not empty
+        and the causal/window mask ``(left, right)`` does not hide, and entries 1.. are ``2 * key tile + (1 if
+        FULL)``, ascending. An array of the kind and device of `_arrays.Operand` ``like``, cached."""
+        key = (block_m, block_n, left, right, like.kind, like.device)
+        if key not in self._tables:
+            classes = self.classify(block_m, block_n)
+            # One spare entry past the last tile: kernels read the next tile's start before they test the count.
+            table = np.zeros(classes.shape[:3] + (classes.shape[3] + 2,), np.int32)
+            tile_index = np.arange(classes.shape[3])
+            for qt in range(classes.shape[2]):
+                row_start = qt * block_m
+                lo, hi = masks.block_key_range(row_start, min(row_start + block_m, self.seqlen_q), self.seqlen_q,
+                                               self.seqlen_k, left, right)
+                shown = (tile_index * block_n < hi) & ((tile_index + 1) * block_n > lo)
+                for b in range(classes.shape[0]):
+                    for h in range(classes.shape[1]):
+                        row = classes[b, h, qt]
+                        tiles = np.flatnonzero((row != EMPTY) & shown)
+                        table[b, h, qt, 0] = len(tiles)
+                        table[b, h, qt, 1:1 + len(tiles)] = 2 * tiles + (row[tiles] == FULL)
+            self._tables[key] = _arrays.from_host(like, table)
+        return self._tables[key]
+
+    def density(self, block_m, block_n):
+        """The fraction of tiles that are not empty."""
+        return float(np.mean(self.classify(block_m, block_n) != EMPTY))
+
+
+def _classify(visible, block_m, block_n):
+    b, h, sq, sk = visible.shape
+    nq, nk = -(-sq // block_m), -(-sk // block_n)
+    padded = np.zeros((b, h, nq * block_m, nk * block_n), np.int8)  # padding counts as hidden: partial at the edge
+    padded[:, :, :sq, :sk] = visible
+    tiles = padded.reshape(b, h, nq, block_m, nk, block_n).sum(axis=(3, 5), dtype=np.int64)
+    return np.where(tiles == 0, EMPTY, np.where(tiles == block_m * block_n, FULL, PARTIAL)).astype(np.int8)
+
+
+def _size(value, name, optional=False):
+    if value is None and optional:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1{' or None (the mask does not depend on it)' if optional else ''}; "
+                         f"got {value!r}")
+    return int(value)
+
+
+def block_mask(mask_mod, batch, nheads, seqlen_q, seqlen_k, *, mod_args=()):
+    """A `BlockMask` of ``mask_mod(b, h, q_idx, kv_idx, *mod_args)``, for `numbaflash.attention(..., block_mask=)`.
+
+    Args:
+        mask_mod: as `numbaflash.attention` takes it.
+        batch, nheads: the call's sizes, or None where the mask does not depend on b (h): one
+            evaluation then serves every batch element (head).
+        seqlen_q, seqlen_k: the call's sequence lengths.
+        mod_args: the arrays the mask reads (NumPy, or any array with ``.get()`` / ``.cpu()``: read to the
+            host once); the call passes the same arrays in its own ``mod_args``.
+
+    The mask is evaluated on the host, on every score of one (batch or 1) x (nheads or 1) grid, once per
+    tile shape the kernels use: about a second per 2^28 scores.
+    """
+    batch, nheads = _size(batch, "batch", optional=True), _size(nheads, "nheads", optional=True)
+    seqlen_q, seqlen_k = _size(seqlen_q, "seqlen_q"), _size(seqlen_k, "seqlen_k")
+    if not isinstance(mod_args, (tuple, list)):
+        raise TypeError(f"mod_args must be a tuple of arrays; got {type(mod_args).__name__}")
+    host = tuple(_to_host(a, f"mod_args[{i}]") for i, a in enumerate(mod_args))
+    mods.check(0.0, None, None, None, mask_mod, host, _describe_host, batch or 1, nheads or 1)
+    if mask_mod is None:
+        raise ValueError("block_mask needs a mask_mod")
+    return BlockMask(mask_mod, batch, nheads, seqlen_q, seqlen_k, host)
+
+
+def _to_host(x, name):
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "get"):  # CuPy
+        return x.get()
+    if hasattr(x, "cpu"):  # torch
+        return x.detach().cpu().numpy()
+    raise TypeError(f"{name} must be a NumPy, CuPy or torch array; got {type(x).__module__}.{type(x).__name__}")
+
+
+def _describe_host(x, name):
+    return _arrays.Operand(x, "numpy", x.shape, x.strides, str(x.dtype), -1, 0)

@@ -1,0 +1,52 @@
+"""The key tiles a forward block visits: every tile of its visible range, or a block mask's non-empty ones.
+
+``key_tiles(mods, BLOCK_M, BLOCK_N)`` gives ``(count, start, full)``, device functions of the kernel's
+``mod`` argument (`kernels.mods`), the block's batch element, head, first row and visible key range
+``[lo, hi)`` (from `blocks.query_block`):
+
+* ``count(mod, b, h, row_start, lo, hi)``: how many tiles the block visits (0 or less: none);
+* ``start(mod, b, h, row_start, n_base, it)``: the first key of the ``it``-th (``n_base``: the first key of
+  the first tile without a block mask, ``(lo // BLOCK_N) * BLOCK_N``);
+* ``full(mod, b, h, row_start, it)``: whether the block mask found ``mask_mod`` true on all of it (so the
+  kernel skips mask_mod there); False without a block mask.
+
+With a block mask (``mods.block_sparse``) ``mod[0]`` is `numbaflash.block_sparsity.BlockMask.key_tiles`'s
+table, made for these tiles and the call's causal/window mask: entry 0 of a query tile is its count,
+entries 1.. are ``2 * key tile + full``.
+"""
+
+from .intrinsics import device_function
+
+
+def key_tiles(mods, BLOCK_M, BLOCK_N):
+    if mods.block_sparse:
+        @device_function
+        def entry(mod, b, h, row_start, i):
+            table = mod[0]
+            return table[b if table.shape[0] > 1 else 0, h if table.shape[1] > 1 else 0, row_start // BLOCK_M, i]
+
+        @device_function
+        def count(mod, b, h, row_start, lo, hi):
+            return entry(mod, b, h, row_start, 0) if lo < hi else 0
+
+        @device_function
+        def start(mod, b, h, row_start, n_base, it):
+            return (entry(mod, b, h, row_start, 1 + it) >> 1) * BLOCK_N
+
+        @device_function
+        def full(mod, b, h, row_start, it):
+            return (entry(mod, b, h, row_start, 1 + it) & 1) == 1
+    else:
+        @device_function
+        def count(mod, b, h, row_start, lo, hi):
+            return (hi - (lo // BLOCK_N) * BLOCK_N + BLOCK_N - 1) // BLOCK_N
+
+        @device_function
+        def start(mod, b, h, row_start, n_base, it):
+            return n_base + it * BLOCK_N
+
+        @device_function
+        def full(mod, b, h, row_start, it):
+            return False
+
+    return count, start, full
