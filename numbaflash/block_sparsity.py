@@ -4,8 +4,10 @@
 every (b, h, q_idx, kv_idx) once per tile shape (a Numba loop on the host, cached) and labels each
 tile `EMPTY` (no visible score), `PARTIAL` or `FULL` (every score visible). A forward kernel given the
 `BlockMask` visits only the non-empty key tiles of its query tile, in order (`key_tiles`), and calls
-``mask_mod`` only on partial ones; the result is the same as the dense mask_mod's, bit for bit (an
-empty tile adds exp(-inf) = 0 to the sums and leaves the running maxima as they are).
+``mask_mod`` only on partial ones. The result is the dense mask_mod call's up to rounding: an empty tile
+adds exp(-inf) = 0 to the sums, but on a GPU the dense call's visit also rescales them by ex2 of the
+rounding error of ``m * scale`` (the FMA keeps it), one part in 2^24; on the simulator the two agree
+bit for bit.
 
 The causal/window mask of the call is applied on top: a tile outside it is skipped as it always was.
 """

@@ -201,12 +201,13 @@ def test_a_compile_error_names_the_function_and_its_line():
 # -- block masks
 
 
-def test_a_block_mask_gives_the_dense_mask_mod_result_bit_for_bit(arrays, mode):
+def test_a_block_mask_gives_the_dense_mask_mod_result(arrays, mode):
     """Documents of a packed sequence, causal inside each: the forward with the block mask visits only the
-    non-empty tiles and skips mask_mod on full ones, and equals the dense mask_mod call exactly, in every
-    forward family; the backward with it matches the reference."""
+    non-empty tiles and skips mask_mod on full ones, and gives the dense mask_mod call's result in every
+    forward family: bit for bit on the simulator; on a GPU to an ulp, as the dense call's visits to empty
+    tiles rescale its sums by ex2 of a product's rounding error (the FMA keeps it: 1 - 2^-24, not 1).
+    The backward with it matches the reference."""
     to_device, to_host = arrays
-    rng = np.random.default_rng(8)
     seqlen = 40 if mode == "simulator" else 2048
     doc = np.repeat(np.arange(4), [6, 20, 3, seqlen - 29]).astype(np.int32)[None]  # (1, seqlen)
     bm = numbaflash.block_mask(same_document_causal, None, None, seqlen, seqlen, mod_args=(doc,))
@@ -217,7 +218,12 @@ def test_a_block_mask_gives_the_dense_mask_mod_result_bit_for_bit(arrays, mode):
         forward = forward_of(case, tiles)
         dense = to_host(forward(q, k, v, mask_mod=same_document_causal, mod_args=(to_device(doc),)))
         sparse = to_host(forward(q, k, v, block_mask=bm, mod_args=(to_device(doc),)))
-        assert np.array_equal(dense.view(np.uint8), sparse.view(np.uint8)), family
+        if mode == "simulator":
+            assert np.array_equal(dense.view(np.uint8), sparse.view(np.uint8)), family
+        else:
+            ulp = float(np.finfo(np.float32).eps if dtype == "float32" else 2 ** -10)
+            np.testing.assert_allclose(sparse.astype(np.float32), dense.astype(np.float32), rtol=2 * ulp, atol=ulp,
+                                       err_msg=family)
     case = Case(1, seqlen, seqlen, 1, 1, 16, "float16", seed=8, modifications=dict(block_mask=bm, mod_args=(doc,)))
     check_backward(case, numbaflash.attention, numbaflash.attention_backward, *arrays)
 
