@@ -39,7 +39,32 @@ def grid():
                                  ((b, nq, h, d), (b, nk, hk, d), (b, nk, hk, d), (b, nq, h, d)))
                 out, lse = numbaflash.attention(q, k, v, return_lse=True, **mask)
                 numbaflash.attention_backward(dout, q, k, v, out, lse, **mask)
+        # Every modification at once, the mask through a block mask (the forward's tile table) on one shape:
+        # the user's functions read mod_args only at visible, in-bounds indices.
+        b, nq, nk, h, hk, d = shapes[0]
+        q, k, v, dout = (cupy.asarray(rng.standard_normal(s).astype(dtype)) for s in
+                         ((b, nq, h, d), (b, nk, hk, d), (b, nk, hk, d), (b, nq, h, d)))
+        doc_q, doc_k = (cupy.asarray(np.sort(rng.integers(0, 3, (b, n))).astype(np.int32)) for n in (nq, nk))
+        temperature = cupy.asarray(rng.uniform(0.5, 2, h).astype(np.float32))
+        modifications = dict(softcap=5.0, alibi_slopes=cupy.full((h,), 0.25, np.float32), score_mod=tempered,
+                             score_mod_grad=tempered_grad, mod_args=(doc_q, doc_k, temperature),
+                             block_mask=numbaflash.block_mask(same_document, b, None, nq, nk,
+                                                              mod_args=(doc_q, doc_k, temperature)))
+        out, lse = numbaflash.attention(q, k, v, return_lse=True, **modifications)
+        numbaflash.attention_backward(dout, q, k, v, out, lse, **modifications)
     cupy.cuda.Device().synchronize()
+
+
+def same_document(b, h, q_idx, kv_idx, doc_q, doc_k, temperature):
+    return doc_q[b, q_idx] == doc_k[b, kv_idx]
+
+
+def tempered(score, b, h, q_idx, kv_idx, doc_q, doc_k, temperature):
+    return score * temperature[h]
+
+
+def tempered_grad(score, b, h, q_idx, kv_idx, doc_q, doc_k, temperature):
+    return temperature[h]
 
 
 def check(log_dir):
