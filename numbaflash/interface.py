@@ -430,8 +430,12 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
 def _modifications_line(modified):
     if not modified.active:
         return "none (no softcap, ALiBi, score_mod or mask_mod)"
-    return (f"{modified.describe()}, compiled into the kernels: every visible score goes through them in natural "
-            "units (the traffic below leaves out the slopes and mod_args they read, which the caches serve)")
+    how = ["scores modified in natural-log units" if modified.scores_modified else "scores keep the plain scale"]
+    if modified.mask_mod is not None:
+        how.append("mask_mod on every tile " + ("the block mask does not find full" if modified.block_sparse
+                                               else "the causal/window mask shows"))
+    return (f"{modified.describe()}, compiled into the kernels: {'; '.join(how)} (the traffic below leaves out "
+            "the slopes and mod_args they read, which the caches serve)")
 
 
 def _block_mask_lines(call, the_plan, backward):

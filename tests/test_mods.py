@@ -250,3 +250,13 @@ def test_a_block_mask_for_other_sizes_or_another_mask_mod_is_refused():
         numbaflash.attention(Q, Q, Q, block_mask=bm, mask_mod=lambda b, h, i, j: True)
     with pytest.raises(ValueError, match="batch must be an integer >= 1 or None"):
         numbaflash.block_mask(lambda b, h, i, j: True, 0, None, 8, 8)
+
+
+def test_explain_names_the_modifications_and_what_the_block_mask_skips():
+    causal = numbaflash.block_mask(lambda b, h, i, j: j <= i, None, None, 8, 8)
+    forward = numbaflash.explain(Q, Q, Q, softcap=2.0, block_mask=causal)
+    assert "softcap, mask_mod" in forward and "scores modified in natural-log units" in forward
+    assert "of the 16 x 16 tiles are not empty: the forward visits only those" in forward
+    backward = numbaflash.explain(Q, Q, Q, block_mask=causal, backward=True)
+    assert "not used by the backward yet" in backward
+    assert "modified    none" in numbaflash.explain(Q, Q, Q)
