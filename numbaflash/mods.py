@@ -183,20 +183,21 @@ def _host_loop(fn, takes_score):
     f = numba.njit(fn)
     if takes_score:
         @numba.njit
-        def loop(s, out, args):
-            for b in range(s.shape[0]):
-                for h in range(s.shape[1]):
-                    for i in range(s.shape[2]):
-                        for j in range(s.shape[3]):
-                            out[b, h, i, j] = f(s[b, h, i, j], b, h, i, j, *args)
+        def element(score, b, h, i, j, args):
+            return f(score, b, h, i, j, *args)
     else:
         @numba.njit
-        def loop(s, out, args):
-            for b in range(s.shape[0]):
-                for h in range(s.shape[1]):
-                    for i in range(s.shape[2]):
-                        for j in range(s.shape[3]):
-                            out[b, h, i, j] = f(b, h, i, j, *args)
+        def element(score, b, h, i, j, args):
+            return f(b, h, i, j, *args)
+
+    @numba.njit
+    def loop(s, out, args):
+        for b in range(s.shape[0]):
+            for h in range(s.shape[1]):
+                for i in range(s.shape[2]):
+                    for j in range(s.shape[3]):
+                        out[b, h, i, j] = element(s[b, h, i, j], b, h, i, j, args)
+
     return loop
 
 

@@ -171,25 +171,22 @@ def _pack(kind):
 pack_f16 = _pack("f16")
 pack_bf16 = _pack("bf16")
 
-@intrinsic
-def ex2(typingctx, x):
-    sig = types.float32(types.float32)
+def _unary_f32(instruction):
+    @intrinsic
+    def unary(typingctx, x):
+        sig = types.float32(types.float32)
 
-    def codegen(context, builder, signature, args):
-        return _asm(builder, [ir.FloatType()], ir.FloatType(), "ex2.approx.ftz.f32 $0, $1;", "=f,f",
-                    [context.cast(builder, args[0], signature.args[0], types.float32)], False)
+        def codegen(context, builder, signature, args):
+            return _asm(builder, [ir.FloatType()], ir.FloatType(), f"{instruction} $0, $1;", "=f,f",
+                        [context.cast(builder, args[0], signature.args[0], types.float32)], False)
 
-    return sig, codegen
+        return sig, codegen
 
-@intrinsic
-def rcp(typingctx, x):
-    sig = types.float32(types.float32)
+    return unary
 
-    def codegen(context, builder, signature, args):
-        return _asm(builder, [ir.FloatType()], ir.FloatType(), "rcp.approx.ftz.f32 $0, $1;", "=f,f",
-                    [context.cast(builder, args[0], signature.args[0], types.float32)], False)
 
-    return sig, codegen
+ex2 = _unary_f32("ex2.approx.ftz.f32")
+rcp = _unary_f32("rcp.approx.ftz.f32")
 
 @intrinsic
 def float_bits(typingctx, x):
