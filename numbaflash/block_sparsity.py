@@ -1,8 +1,9 @@
 """Block sparsity: which (query tile, key tile) pairs a mask_mod leaves empty, partial or full.
 
 `block_mask` wraps a ``mask_mod`` and the problem's sizes; `BlockMask.classify` evaluates the mask on
-every (b, h, q_idx, kv_idx) once per tile shape (a Numba loop on the host, cached) and labels each
-tile `EMPTY` (no visible score), `PARTIAL` or `FULL` (every score visible). A forward kernel given the
+every (b, h, q_idx, kv_idx) once (a Numba loop on the host), keeps the visible count of each 16 x 16
+tile, and from those labels each tile of a kernel's shape `EMPTY` (no visible score), `PARTIAL` or
+`FULL` (every score visible). A forward kernel given the
 `BlockMask` visits only the non-empty key tiles of its query tile, in order (`key_tiles`), and calls
 ``mask_mod`` only on partial ones. The result is the dense mask_mod call's up to rounding: an empty tile
 adds exp(-inf) = 0 to the sums, but on a GPU the dense call's visit also rescales them by ex2 of the
@@ -19,6 +20,7 @@ import numpy as np
 from . import _arrays, masks, mods
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
+FINE = 16  # the tiles the mask's counts are kept at; kernel tiles that are multiples of it (all of today's) sum them
 
 
 class BlockMask:
@@ -30,6 +32,7 @@ class BlockMask:
         self.mask_mod = mask_mod
         self.batch, self.nheads, self.seqlen_q, self.seqlen_k = batch, nheads, seqlen_q, seqlen_k
         self.mod_args = mod_args
+        self._fine = None
         self._classes = {}
         self._tables = {}
 
@@ -40,10 +43,23 @@ class BlockMask:
     def classify(self, block_m, block_n):
         """int8 ``(batch or 1, nheads or 1, cdiv(seqlen_q, block_m), cdiv(seqlen_k, block_n))`` of EMPTY, PARTIAL, FULL."""
         if (block_m, block_n) not in self._classes:
-            visible = mods.visible(self.mask_mod, (self.batch or 1, self.nheads or 1, self.seqlen_q, self.seqlen_k),
-                                   self.mod_args)
-            self._classes[block_m, block_n] = _classify(visible, block_m, block_n)
+            if block_m % FINE or block_n % FINE:
+                counts = _tile_counts(self._visible(), block_m, block_n)
+            else:  # summed from the fine tiles' counts: the mask is evaluated once, whatever the tile shapes
+                counts = _tile_counts(self._fine_counts(), block_m // FINE, block_n // FINE)
+            self._classes[block_m, block_n] = np.where(
+                counts == 0, EMPTY, np.where(counts == block_m * block_n, FULL, PARTIAL)).astype(np.int8)
         return self._classes[block_m, block_n]
+
+    def _visible(self):
+        return mods.visible(self.mask_mod, (self.batch or 1, self.nheads or 1, self.seqlen_q, self.seqlen_k),
+                            self.mod_args)
+
+    def _fine_counts(self):
+        """Visible scores per FINE x FINE tile, computed once."""
+        if self._fine is None:
+            self._fine = _tile_counts(self._visible(), FINE, FINE)
+        return self._fine
 
     def key_tiles(self, block_m, block_n, left, right, like):
         """The forward's schedule (`kernels.key_tiles`): int32 ``(batch or 1, nheads or 1, query tiles, key tiles
@@ -75,13 +91,14 @@ class BlockMask:
         return float(np.mean(self.classify(block_m, block_n) != EMPTY))
 
 
-def _classify(visible, block_m, block_n):
-    b, h, sq, sk = visible.shape
-    nq, nk = -(-sq // block_m), -(-sk // block_n)
-    padded = np.zeros((b, h, nq * block_m, nk * block_n), np.int8)  # padding counts as hidden: partial at the edge
-    padded[:, :, :sq, :sk] = visible
-    tiles = padded.reshape(b, h, nq, block_m, nk, block_n).sum(axis=(3, 5), dtype=np.int64)
-    return np.where(tiles == 0, EMPTY, np.where(tiles == block_m * block_n, FULL, PARTIAL)).astype(np.int8)
+def _tile_counts(values, rows, cols):
+    """Sums of ``values`` (b, h, m, n) over tiles of ``rows`` x ``cols``; entries past the edge count 0, so an
+    edge tile is never full."""
+    b, h, m, n = values.shape
+    nq, nk = -(-m // rows), -(-n // cols)
+    padded = np.zeros((b, h, nq * rows, nk * cols), np.int64)
+    padded[:, :, :m, :n] = values
+    return padded.reshape(b, h, nq, rows, nk, cols).sum(axis=(3, 5))
 
 
 def _size(value, name, optional=False):
@@ -104,8 +121,8 @@ def block_mask(mask_mod, batch, nheads, seqlen_q, seqlen_k, *, mod_args=()):
         mod_args: the arrays the mask reads (NumPy, or any array with ``.get()`` / ``.cpu()``: read to the
             host once); the call passes the same arrays in its own ``mod_args``.
 
-    The mask is evaluated on the host, on every score of one (batch or 1) x (nheads or 1) grid, once per
-    tile shape the kernels use: about a second per 2^28 scores.
+    The mask is evaluated on the host, on every score of one (batch or 1) x (nheads or 1) grid, once, when
+    a kernel first asks for its tiles: about a second per 2^28 scores.
     """
     batch, nheads = _size(batch, "batch", optional=True), _size(nheads, "nheads", optional=True)
     seqlen_q, seqlen_k = _size(seqlen_q, "seqlen_q"), _size(seqlen_k, "seqlen_k")

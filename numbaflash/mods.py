@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 
 SCORE_INDEX_ARGS = 4  # b, h, q_idx, kv_idx
-ARG_KINDS = "iufb"  # mod_args: integer, unsigned, float or bool arrays
+ARG_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float32",
+              "float64")  # what mod_args may hold: Numba's CUDA target has no float16 or bfloat16 arrays to index
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,7 @@ def check(softcap, alibi_slopes, score_mod, score_mod_grad, mask_mod, mod_args, 
     args = []
     for i, x in enumerate(mod_args):
         op = describe(x, f"mod_args[{i}]")
-        if np.dtype(_numpy_name(op.dtype)).kind not in ARG_KINDS or op.dtype == "float16":
+        if op.dtype not in ARG_DTYPES:
             raise TypeError(f"mod_args[{i}] must be an array of integers, bools, float32 or float64; got {op.dtype}")
         if len(op.shape) == 0:
             raise ValueError(f"mod_args[{i}] must have at least one dimension; got a 0-d array")
@@ -143,10 +144,6 @@ def check(softcap, alibi_slopes, score_mod, score_mod_grad, mask_mod, mod_args, 
         if fn is not None:
             compile_check(fn, name, returns, arg_types)
     return mods, float(softcap), slopes, tuple(args)
-
-
-def _numpy_name(dtype):
-    return "bool" if dtype == "bool" else dtype
 
 
 @functools.lru_cache(maxsize=None)

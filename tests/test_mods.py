@@ -228,6 +228,22 @@ def test_a_block_mask_gives_the_dense_mask_mod_result(arrays, mode):
     check_backward(case, numbaflash.attention, numbaflash.attention_backward, *arrays)
 
 
+def test_block_classes_summed_from_the_fine_tiles_match_the_mask_evaluated_for_each_shape():
+    """`BlockMask.classify` evaluates the mask once and sums 16 x 16 tiles; a shape it cannot sum (24 rows)
+    evaluates the mask again: both agree with counting the visible scores of each tile directly."""
+    from numbaflash import block_sparsity, reference
+
+    doc = np.repeat(np.arange(3), [20, 33, 47]).astype(np.int32)[None]
+    bm = numbaflash.block_mask(same_document_causal, None, None, 100, 100, mod_args=(doc,))
+    visible = reference.visible_mask(100, 100) & (doc[0][:, None] == doc[0][None, :]) & np.tri(100, dtype=bool)
+    for rows, cols in ((16, 16), (32, 16), (64, 128), (24, 16)):
+        counts = block_sparsity._tile_counts(visible[None, None], rows, cols)
+        want = np.where(counts == 0, block_sparsity.EMPTY,
+                        np.where(counts == rows * cols, block_sparsity.FULL, block_sparsity.PARTIAL))
+        assert np.array_equal(bm.classify(rows, cols), want), (rows, cols)
+    assert {block_sparsity.EMPTY, block_sparsity.PARTIAL, block_sparsity.FULL} <= set(np.unique(bm.classify(16, 16)))
+
+
 def same_document_causal(b, h, q_idx, kv_idx, doc):
     return doc[0, q_idx] == doc[0, kv_idx] and kv_idx <= q_idx
 

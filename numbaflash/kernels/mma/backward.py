@@ -70,6 +70,13 @@ def smem_elements_dq(D, tiles):
     return layout_dq(D, tiles)[-1]
 
 
+def guarded(mods):
+    """Whether a score must pass the bounds and visibility checks before the modifications see it: the user's
+    functions read mod_args at in-bounds visible indices only; softcap and ALiBi are safe on any score, rows
+    past the sequence included (their P is 0), and pay no branch per score."""
+    return bool(mods.user_functions)
+
+
 def _signature(n_outputs, mods):
     bits = types.Array(types.uint16, 4, "A")
     stat = types.Array(types.float32, 3, "A")
@@ -91,9 +98,7 @@ def build_dkdv(D, tiles, storage, mods=NONE):
     write_grad = fragment_writer(D, storage)
     statistics = row_statistics(types.float32)
     MODIFIED, MASKED, prepare, _, logit2, visible, natural = modifiers(mods, types.float32, fast=True)
-    # The user's functions see only in-bounds visible indices; softcap and ALiBi are safe on any score, rows past
-    # the sequence included (their P is 0), and pay no branch per score.
-    GUARDED = MASKED or mods.score_mod is not None
+    GUARDED = guarded(mods)
     ZERO, ONE = types.float32(0), types.float32(1)
 
     @device_function
@@ -238,9 +243,7 @@ def build_dq(D, tiles, storage, mods=NONE):
     write_grad = fragment_writer(D, storage)
     statistics = row_statistics(types.float32)
     MODIFIED, MASKED, prepare, _, logit2, visible, natural = modifiers(mods, types.float32, fast=True)
-    # The user's functions see only in-bounds visible indices; softcap and ALiBi are safe on any score, rows past
-    # the sequence included (their P is 0), and pay no branch per score.
-    GUARDED = MASKED or mods.score_mod is not None
+    GUARDED = guarded(mods)
     ZERO = types.float32(0)
 
     def attention_backward_dq_mma(q, k, v, dout, lse, delta, dq, scale_log2, left, right, vec, mod):
