@@ -49,13 +49,22 @@ def kernel(build, D, tiles, storage, threads, mods=NONE):
     return Kernel(fn, signature, launch_bounds, specialization)
 
 
-def _flat(types_and_values):
-    """Kernel parameters in numba's ABI order: a tuple argument is its members, one after another."""
-    for t, value in types_and_values:
+def _flat_types(signature):
+    """A signature's parameters in numba's ABI order: a tuple argument is its members, one after another."""
+    for t in signature:
         if isinstance(t, types.BaseTuple):
-            yield from _flat(zip(t, value))
+            yield from _flat_types(t)
         else:
-            yield t, value
+            yield t
+
+
+def _flat_values(args, values):
+    """`_flat_types`'s order for a launch's arguments, appended to ``values``."""
+    for a in args:
+        if type(a) is tuple:
+            _flat_values(a, values)
+        else:
+            values.append(a)
 
 
 def _simulator_view(t, a):
@@ -73,6 +82,11 @@ class Kernel:
         self._launch_bounds = launch_bounds
         self._specialization = specialization
         self.signature = signature
+        # Per flattened parameter, worked out once (a launch is on the hot path): an array's element size
+        # (the operand is viewed as the kernel's dtype), or a scalar's C type.
+        flat = list(_flat_types(signature))
+        self._itemsizes = [as_dtype(t.dtype).itemsize if isinstance(t, types.Array) else None for t in flat]
+        self._scalars = [None if isinstance(t, types.Array) else _SCALARS[t] for t in flat]
         self._functions = {}  # device ordinal -> cuda.core kernel, with its dynamic shared memory raised
 
     def launch(self, grid, threads, smem_bytes, stream, *args):
@@ -93,15 +107,16 @@ class Kernel:
             return
         from cuda.core import LaunchConfig, launch
 
-        params = []
-        for t, a in _flat(zip(self.signature, args)):
-            if isinstance(t, types.Array):
+        values, params = [], []
+        _flat_values(args, values)
+        for a, itemsize, scalar in zip(values, self._itemsizes, self._scalars):
+            if itemsize is None:
+                params.append(scalar(a))
+            else:
                 nitems = 1
                 for n in a.shape:
                     nitems *= n
-                params += (0, 0, nitems, as_dtype(t.dtype).itemsize, a.ptr, *a.shape, *a.strides)
-            else:
-                params.append(_SCALARS[t](a))
+                params += (0, 0, nitems, itemsize, a.ptr, *a.shape, *a.strides)
         function = self._function(stream.device, smem_bytes)
         launch(stream, LaunchConfig(grid=grid, block=threads, shmem_size=smem_bytes), function, *params)
 
