@@ -14,6 +14,8 @@ _LAZY = {
     "attention_backward": "interface",
     "explain": "interface",
     "plan": "interface",
+    "attention_varlen": "varlen",
+    "attention_varlen_backward": "varlen",
     "Plan": "tiling",
     "Device": "tiling",
     "block_mask": "block_sparsity",

@@ -119,6 +119,43 @@ def single_head_view(op, name):
     return describe(x, name)
 
 
+class _Interface:
+    """An object that offers only a ``__cuda_array_interface__`` (`batch_view` of such an array)."""
+
+    def __init__(self, interface):
+        self.__cuda_array_interface__ = interface
+
+
+def batch_view(x, batch):
+    """``x`` (any kind `describe` takes) as ``(batch, *x.shape)`` with a batch stride of 0: every batch index
+    sees all of ``x``, without a copy, writable (the kernels of a varlen call narrow it per sequence)."""
+    if isinstance(x, np.ndarray):
+        return np.lib.stride_tricks.as_strided(x, (batch,) + x.shape, (0,) + x.strides)
+    module = type(x).__module__.split(".")[0]
+    if module == "torch":
+        return x.unsqueeze(0).expand(batch, *x.shape)
+    if module == "cupy":
+        import cupy
+
+        return cupy.lib.stride_tricks.as_strided(x, (batch,) + x.shape, (0,) + x.strides)
+    op = describe(x, "array")
+    interface = dict(x.__cuda_array_interface__, shape=(batch,) + op.shape, strides=(0,) + op.strides)
+    return _Interface(interface)
+
+
+def to_host(op):
+    """A NumPy copy of a small operand (a varlen call's cu_seqlens, which the boundary checks on the host)."""
+    if op.kind == "numpy":
+        return np.array(op.obj)
+    if op.kind == "torch":
+        return op.obj.detach().cpu().numpy()
+    if op.kind == "cupy":
+        return op.obj.get()
+    from numba import cuda
+
+    return cuda.as_cuda_array(op.obj).copy_to_host()
+
+
 def empty(like, shape, dtype):
     """An uninitialized array of ``dtype`` ("float32", "bfloat16", ...) of the same kind and device as ``like``."""
     if like.kind == "numpy":
@@ -179,4 +216,5 @@ def stream_of(op):
     return Stream(ptr, op.device)
 
 
-__all__ = ["Operand", "describe", "empty", "from_host", "is_device_array", "single_head_view", "stream_of"]
+__all__ = ["Operand", "batch_view", "describe", "empty", "from_host", "is_device_array", "single_head_view", "stream_of",
+           "to_host"]

@@ -169,7 +169,7 @@ def _accumulator_scalar(call):
 def _plan_for(call, backward, device=None):
     aligned = all(op.vector_aligned(8) for op in (call.q, call.k, call.v))
     return tiling.make_plan(call.batch, call.nheads, call.nheads_kv, call.seqlen_q, call.seqlen_k, call.headdim,
-                            call.dtype, backward=backward, device=device, aligned=aligned)
+                            call.dtype, backward=backward, device=device, aligned=aligned, packed=call.mods.packed)
 
 
 def _check_plan(plan, call, direction):
@@ -281,11 +281,12 @@ def kernel_for(plan, launch, modified=NONE):
                            modified)
 
 
-def _launch(plan, index, stream, modified, *args):
+def _launch(plan, index, stream, modified, *args, grid=None):
+    """Launch ``plan.launches[index]`` (on ``grid`` instead of its own, if given)."""
     launch = plan.launches[index]
     kernel = kernel_for(plan, launch, modified)
     try:
-        kernel.launch(launch.grid, launch.threads, launch.smem_bytes, stream, *args)
+        kernel.launch(grid or launch.grid, launch.threads, launch.smem_bytes, stream, *args)
     except NumbaError as error:
         if not modified.user_functions:
             raise
@@ -315,12 +316,18 @@ def run_forward(call, plan, out, lse):
     _launch(plan, 0, _arrays.stream_of(call.q), call.mods, *args, mod_values)
 
 
-def run_backward(call, plan, dout, lse, out, delta, dq, dk, dv):
-    """Launch the three backward kernels of ``plan`` on one stream; ``delta`` is the O(N) workspace."""
+def run_backward(call, plan, dout, lse, out, delta, dq, dk, dv, preprocess=None):
+    """Launch the three backward kernels of ``plan`` on one stream; ``delta`` is the O(N) workspace.
+
+    ``preprocess``: ``(out, dout, delta, grid)`` for the first launch (delta = rowsum(dO * O), row by row)
+    where it reads other views than the others: a varlen call's packed rows as one batch element."""
     stream = _arrays.stream_of(call.q)
     q, k, v = call.q, call.k, call.v
     extra = (_scale_arg(call), call.left, call.right, vector_staging(plan, q, k, v, dout), call.mod_values)
-    _launch(plan, 0, stream, NONE, out, dout, delta)
+    if preprocess is None:
+        _launch(plan, 0, stream, NONE, out, dout, delta)
+    else:
+        _launch(plan, 0, stream, NONE, *preprocess[:3], grid=preprocess[3])
     _launch(plan, 1, stream, call.mods, q, k, v, dout, lse, delta, dk, dv, *extra)
     _launch(plan, 2, stream, call.mods, q, k, v, dout, lse, delta, dq, *extra)
 

@@ -49,6 +49,7 @@ class Mods:
     mask_mod: object = None
     arg_types: tuple = ()
     block_sparse: bool = False  # a forward with a `block_sparsity.BlockMask`: it visits only the mask's non-empty tiles
+    packed: bool = False  # a varlen call: sequences packed along one axis, located by cu_seqlens (`kernels.sequences`)
 
     @property
     def active(self):

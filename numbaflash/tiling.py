@@ -340,16 +340,19 @@ def _choose(direction, acc, D, acc_bytes, device, smem_of):
 
 
 def make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward=False, device=None, tiles=None,
-              aligned=True):
+              aligned=True, packed=False):
     """The plan for these sizes on ``device`` (default: the current one). ``tiles`` overrides the blocks.
     ``aligned``: whether q, k and v have a contiguous head dim, a multiple of 8, and 16-byte aligned
-    strides, as the bulk tensor copy engine needs (`interface.vector_staging`)."""
+    strides, as the bulk tensor copy engine needs (`interface.vector_staging`). ``packed``: a varlen call
+    (`numbaflash.varlen`) of ``batch`` sequences, the longest ``seqlen_q`` and ``seqlen_k``, which the
+    grid covers."""
     device = current_device() if device is None else device
-    return _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned)
+    return _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned,
+                      packed)
 
 
 @functools.lru_cache(maxsize=1024)  # plans are immutable; a model calls attention with few distinct shapes
-def _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned):
+def _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned, packed):
     from .kernels.mma import backward as mma_backward
     from .kernels.simt import backward as simt_backward, forward as simt_forward
 
@@ -360,7 +363,7 @@ def _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, bac
                          f"got {dtype}, headdim {headdim}, {'backward' if backward else 'forward'}")
     if uses_tensor_cores(dtype, device) and (tiles is None or isinstance(tiles, (MmaTiles, WgmmaTiles))):
         if not backward and (isinstance(tiles, WgmmaTiles) or (tiles is None and uses_wgmma(dtype, device, headdim))):
-            return _wgmma_forward_plan(shape, device, tiles, aligned)
+            return _wgmma_forward_plan(shape, device, tiles, aligned, packed)
         if not backward:
             return _mma_forward_plan(shape, device, tiles)
         if headdim <= mma_backward.MAX_HEADDIM:
@@ -394,6 +397,14 @@ def _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, bac
     return _plan("simt_" + direction, reason, shape, device, D, chosen, smem, registers)
 
 
+def preprocess_grid(seqlen_q, nheads, batch):
+    """The backward preprocess's grid (delta = rowsum(dO * O)): one block per PREPROCESS_ROWS query rows of
+    each head and batch element (a varlen call's packed rows are one batch element of total_q rows)."""
+    from .kernels.simt.backward import PREPROCESS_ROWS
+
+    return (_cdiv(seqlen_q, PREPROCESS_ROWS), nheads, batch)
+
+
 def _plan(kernel, reason, shape, device, D, tiles, smem, registers):
     """The `Plan` of ``kernel`` ("simt_forward", "mma_backward", ...) with its launches: one block per query
     block (forward, dQ) or key block (dK/dV) of every head; ``smem`` bytes per launch after the preprocess."""
@@ -405,8 +416,8 @@ def _plan(kernel, reason, shape, device, D, tiles, smem, registers):
         from .kernels.simt.backward import PREPROCESS_ROWS
 
         launches = (
-            Launch("simt_backward_preprocess", (_cdiv(shape["seqlen_q"], PREPROCESS_ROWS), nheads, batch),
-                   32 * PREPROCESS_ROWS, 0),
+            Launch("simt_backward_preprocess", preprocess_grid(shape["seqlen_q"], nheads, batch), 32 * PREPROCESS_ROWS,
+                   0),
             Launch(kernel + "_dkdv", (_cdiv(shape["seqlen_k"], bm), nheads_kv, batch), tiles.threads, smem[0]),
             Launch(kernel + "_dq", query_blocks, tiles.threads, smem[1]),
         )
@@ -448,19 +459,26 @@ def _mma_forward_plan(shape, device, tiles):
     return _plan("mma_forward", reason, shape, device, D, tiles, smem, registers)
 
 
-def _wgmma_forward_plan(shape, device, tiles, aligned):
+def _wgmma_forward_plan(shape, device, tiles, aligned, packed):
     from .kernels.wgmma import forward as wgmma_forward, ws_forward as wgmma_ws_forward
 
     D = next(D for D in WGMMA_HEADDIMS if shape["headdim"] <= D)
     copies = ""
     if tiles is None:
         tiles = SIMULATOR_WGMMA_TILES if device.simulator else WGMMA_TILES[D]
-        if tiles.tma and not aligned:
+        if tiles.tma and packed:
+            tiles = WGMMA_CP_ASYNC_TILES[D]
+            copies = ("; packed (varlen) sequences, whose rows the bulk tensor copies' tensor maps do not locate: "
+                      "v3 copies with cp.async")
+        elif tiles.tma and not aligned:
             tiles = WGMMA_CP_ASYNC_TILES[D]
             copies = ("; q, k or v has a head dim that is not contiguous, not a multiple of 8 or not 16-byte "
                       "aligned, which the bulk tensor copy engine cannot read: v3 copies with cp.async")
     else:
         check_copy_engine(tiles, aligned)
+        if tiles.tma and packed:
+            raise ValueError(f"{tiles}: bulk tensor copies (tma) do not take packed (varlen) sequences, whose rows "
+                             "their tensor maps do not locate; use tiles without tma")
     smem = ((wgmma_ws_forward if tiles.producer else wgmma_forward).smem_bytes(D, tiles),)
     _check_smem("forward", smem, shape, device)
     registers = 4 * (tiles.block_m * D + tiles.block_m * tiles.block_n + 2 * tiles.block_m)

@@ -67,3 +67,25 @@ def test_a_score_mod_without_its_derivative_is_refused_when_a_gradient_is_wanted
         nf_torch.attention(q, q, q, score_mod=lambda s, b, h, i, j: s * 2)
     with torch.no_grad():
         assert nf_torch.attention(q, q, q, score_mod=lambda s, b, h, i, j: s * 2).shape == q.shape
+
+
+def test_varlen_matches_one_call_per_sequence(device):
+    """attention_varlen's output and gradients, sequence by sequence, against attention on each sequence alone,
+    with ALiBi slopes per sequence (float64: the two paths run the same kernels' arithmetic)."""
+    seqlens_q, seqlens_k = (3, 6), (5, 2)
+    case = Case(1, sum(seqlens_q), sum(seqlens_k), 2, 1, 4, "float64", seed=15)
+    q, k, v, dout = (torch.tensor(x[0], device=device) for x in inputs(case, extra=[(1, case.seqlen_q, 2, 4)]))
+    cu_q, cu_k = (torch.tensor(np.concatenate([[0], np.cumsum(n)]), dtype=torch.int32, device=device)
+                  for n in (seqlens_q, seqlens_k))
+    slopes = torch.tensor([[0.2, 0.5], [0.9, 0.1]], dtype=torch.float32, device=device)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = nf_torch.attention_varlen(*leaves, cu_q, cu_k, 6, 5, causal=True, alibi_slopes=slopes)
+    out.backward(dout)
+    for b in range(2):
+        rows, keys = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        alone = [x[s][None].clone().requires_grad_() for x, s in ((q, rows), (k, keys), (v, keys))]
+        want = nf_torch.attention(*alone, causal=True, alibi_slopes=slopes[b:b + 1])
+        want.backward(dout[rows][None])
+        torch.testing.assert_close(out[rows], want[0], rtol=1e-12, atol=1e-12)
+        for leaf, single, s in zip(leaves, alone, (rows, keys, keys)):
+            torch.testing.assert_close(leaf.grad[s], single.grad[0], rtol=1e-12, atol=1e-12)

@@ -45,7 +45,8 @@ def kernel(build, D, tiles, storage, threads, mods=NONE):
     # A kernel that calls the user's functions is not cached on disk: their code and globals can change
     # between processes under the same name.
     specialization = None if mods.user_functions else (build.__module__, build.__qualname__, D, repr(tiles), storage,
-                                                       launch_bounds, mods.softcap, mods.alibi)
+                                                       launch_bounds, mods.softcap, mods.alibi,
+                                                       mods.packed)
     return Kernel(fn, signature, launch_bounds, specialization)
 
 

@@ -1,10 +1,10 @@
 """The score and mask modifications of `numbaflash.mods`, compiled into every kernel family.
 
-A kernel built with an active `Mods` takes one more argument, ``mod``: a tuple of what the
-modifications read at run time, in this order and only those in use: a forward's block-mask table
-(`key_tiles`), the softcap (the accumulator type), the ALiBi slopes (float32 ``(1 or batch, nheads)``),
-then the user's ``mod_args``. A kernel
-built without takes an empty tuple, and every function here compiles to nothing.
+Every kernel takes one more argument, ``mod``: a tuple of what the modifications read at run time, in
+this order and only those in use: a forward's block-mask table (`key_tiles`), a varlen call's
+cu_seqlens_q and cu_seqlens_k (`sequences`), the softcap (the accumulator type), the ALiBi slopes
+(float32 ``(1 or batch, nheads)``), then the user's ``mod_args``. A kernel built without any takes an
+empty tuple, and every function here compiles to nothing.
 
 With softcap, ALiBi or a score_mod the kernels work on natural-log scores: ``x = softmax_scale * q . k`` (the kernel's
 scale argument is then ``softmax_scale`` itself, not ``softmax_scale * log2(e)``), ``logit`` modifies it,
@@ -43,17 +43,18 @@ from .intrinsics import device_function, ex2, rcp
 def kernel_type(mods, ACC):
     """The numba type of the ``mod`` argument of a kernel accumulating in ``ACC``."""
     members = [types.Array(types.int32, 4, "A")] if mods.block_sparse else []
+    members += [types.Array(types.int32, 1, "A")] * 2 if mods.packed else []
     members += ([ACC] if mods.softcap else []) + ([types.Array(types.float32, 2, "A")] if mods.alibi else [])
     members += [types.Array(from_dtype(np.dtype(dtype)), ndim, "A") for dtype, ndim in mods.arg_types]
     return types.Tuple(tuple(members))
 
 
-def values(mods, softcap, slopes, mod_args, ACC):
+def values(mods, softcap, slopes, mod_args, ACC, cu_seqlens=()):
     """The ``mod`` tuple a launch passes: `kernel_type`'s members (arrays as `_arrays.Operand`s), less the
-    block-mask table, which a forward launch puts first (it depends on the plan's tiles)."""
-    if not mods.active:
-        return ()
-    return ((ACC(softcap),) if mods.softcap else ()) + ((slopes,) if mods.alibi else ()) + tuple(mod_args)
+    block-mask table, which a forward launch puts first (it depends on the plan's tiles). ``cu_seqlens``:
+    a varlen call's ``(cu_seqlens_q, cu_seqlens_k)``."""
+    return (tuple(cu_seqlens) + ((ACC(softcap),) if mods.softcap else ()) + ((slopes,) if mods.alibi else ())
+            + tuple(mod_args))
 
 
 ONE_F32, TWO_F32, TWO_LOG2E = np.float32(1), np.float32(2), np.float32(2 * math.log2(math.e))
@@ -93,7 +94,7 @@ def modifiers(mods, ACC, fast=False):
     kernels) takes softcap's tanh from ex2 and rcp (`fast_tanh`) instead of libdevice's tanhf."""
     ONE, LN2, LOG2E = ACC(1), ACC(math.log(2.0)), ACC(math.log2(math.e))
     MODIFIED, MASKED = mods.scores_modified, mods.mask_mod is not None
-    CAP_AT = int(mods.block_sparse)  # in the kernel's mod tuple
+    CAP_AT = int(mods.block_sparse) + 2 * int(mods.packed)  # in the kernel's mod tuple
     SLOPES_AT = CAP_AT + int(mods.softcap)
     SLOPE_AT = 2 * int(mods.softcap)  # in the prepared tuple, after the cap and its reciprocal
     USER_AT = SLOPE_AT + int(mods.alibi)  # in the prepared tuple

@@ -29,6 +29,7 @@ from ..blocks import key_block, query_block
 from ..intrinsics import cp_async_commit, cp_async_wait_all, cp_async_wait_one, device_function, ex2
 from ..fragments import fill, fragment_writer, lane_row
 from ..mods import kernel_type, modifiers
+from ..sequences import sequences
 from .tiles import lane_offsets, products, row_stride, stager
 from ..simt.backward import row_statistics
 
@@ -85,6 +86,8 @@ def _signature(n_outputs, mods):
 
 
 def build_dkdv(D, tiles, storage, mods=NONE):
+    sequence = sequences(mods)
+    PACKED = mods.packed
     BLOCK_M, BLOCK_N, WARPS, M = tiles.block_m, tiles.block_n, tiles.warps, tiles.m_tiles
     ROWS = 16 * M  # keys per warp, of the block's BLOCK_M; BLOCK_N queries per streamed tile
     THREADS, LD, CHUNK = 32 * WARPS, row_stride(D), chunk(tiles)
@@ -121,9 +124,16 @@ def build_dkdv(D, tiles, storage, mods=NONE):
     def attention_backward_dkdv_mma(q, k, v, dout, lse, delta, dk, dv, scale_log2, left, right, vec, mod):
         # q, dout: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v, dk, dv: (batch, seqlen_k, nheads_kv,
         # headdim); lse, delta: (batch, nheads, seqlen_q)
+        if PACKED:  # a varlen call: the block narrows its operands to its own sequence (`kernels.sequences`)
+            q_start, q_end, k_start, k_end = sequence(mod, cuda.blockIdx.z)
+            q, dout = q[:, q_start:q_end], dout[:, q_start:q_end]
+            lse, delta = lse[:, :, q_start:q_end], delta[:, :, q_start:q_end]
+            k, v, dk, dv = k[:, k_start:k_end], v[:, k_start:k_end], dk[:, k_start:k_end], dv[:, k_start:k_end]
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         group = q.shape[2] // k.shape[2]
         b, hk, key_start, q_lo, q_hi = key_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
+        if PACKED and key_start >= seqlen_k:  # past its sequence's key blocks: the grid covers the longest
+            return
         tid = cuda.threadIdx.x
         warp, lane = tid // 32, tid % 32
         g, t = lane >> 2, lane & 3
@@ -232,6 +242,8 @@ def build_dkdv(D, tiles, storage, mods=NONE):
 
 
 def build_dq(D, tiles, storage, mods=NONE):
+    sequence = sequences(mods)
+    PACKED = mods.packed
     BLOCK_M, BLOCK_N, WARPS, M = tiles.block_m, tiles.block_n, tiles.warps, tiles.m_tiles
     ROWS = 16 * M  # query rows per warp, of the block's BLOCK_M; BLOCK_N keys per streamed tile
     THREADS, LD, CHUNK = 32 * WARPS, row_stride(D), chunk(tiles)
@@ -249,8 +261,15 @@ def build_dq(D, tiles, storage, mods=NONE):
     def attention_backward_dq_mma(q, k, v, dout, lse, delta, dq, scale_log2, left, right, vec, mod):
         # q, dout, dq: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v: (batch, seqlen_k, nheads_kv,
         # headdim); lse, delta: (batch, nheads, seqlen_q)
+        if PACKED:  # a varlen call: the block narrows its operands to its own sequence (`kernels.sequences`)
+            q_start, q_end, k_start, k_end = sequence(mod, cuda.blockIdx.z)
+            q, dout, dq = q[:, q_start:q_end], dout[:, q_start:q_end], dq[:, q_start:q_end]
+            lse, delta = lse[:, :, q_start:q_end], delta[:, :, q_start:q_end]
+            k, v = k[:, k_start:k_end], v[:, k_start:k_end]
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
+        if PACKED and row_start < 0:  # past its sequence's query blocks: the grid covers the longest
+            return
         bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)
         tid = cuda.threadIdx.x
         warp, lane = tid // 32, tid % 32

@@ -19,6 +19,7 @@ from ..intrinsics import cp_async_commit, cp_async_wait_all, cp_async_wait_one
 from ..fragments import fragment_writer
 from .tiles import lane_offsets, products, row_stride, stager
 from ..key_tiles import key_tiles
+from ..sequences import sequences
 from ..mods import kernel_type, modifiers
 from ..softmax import steps
 
@@ -36,6 +37,8 @@ def smem_elements(D, tiles):
 
 def build(D, tiles, storage, mods=NONE):
     """The kernel for padded head dim ``D`` (a multiple of 16), `MmaTiles` and float16/bfloat16, and its signature."""
+    sequence = sequences(mods)
+    PACKED = mods.packed
     BLOCK_M, BLOCK_N, WARPS, M = tiles.block_m, tiles.block_n, tiles.warps, tiles.m_tiles
     ROWS = 16 * M  # query rows per warp
     THREADS = 32 * WARPS
@@ -53,8 +56,15 @@ def build(D, tiles, storage, mods=NONE):
     def attention_forward_mma(q, k, v, out, lse, scale_log2, left, right, vec, mod):
         # q, out: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v: (batch, seqlen_k, nheads_kv, headdim)
         # lse: (batch, nheads, seqlen_q)
+        if PACKED:  # a varlen call: the block narrows its operands to its own sequence (`kernels.sequences`)
+            q_start, q_end, k_start, k_end = sequence(mod, cuda.blockIdx.z)
+            q, out = q[:, q_start:q_end], out[:, q_start:q_end]
+            lse = lse[:, :, q_start:q_end]
+            k, v = k[:, k_start:k_end], v[:, k_start:k_end]
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
+        if PACKED and row_start < 0:  # past its sequence's query blocks: the grid covers the longest
+            return
         bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)
         tid = cuda.threadIdx.x
         warp, lane = tid // 32, tid % 32

@@ -35,6 +35,7 @@ from ..blocks import key_block, query_block
 from ..intrinsics import device_function, group_sum
 from ..fragments import fill
 from ..mods import kernel_type, modifiers
+from ..sequences import sequences
 from .tiles import in_parts, outer_product, patch_writer, stagers, vector_width
 
 PREPROCESS_ROWS = 8  # query rows per block of the preprocess kernel: one warp each
@@ -131,6 +132,8 @@ def build_preprocess(D, tiles, storage, mods=NONE):
 
 
 def build_dkdv(D, tiles, storage, mods=NONE):
+    sequence = sequences(mods)
+    PACKED = mods.packed
     ACC, to_acc, from_acc = elements.codec(storage)
     acc_bytes = np.dtype(str(ACC)).itemsize
     BLOCK_K, BLOCK_Q, TK, TQ = tiles.block_m, tiles.block_n, tiles.thread_m, tiles.thread_n
@@ -150,9 +153,16 @@ def build_dkdv(D, tiles, storage, mods=NONE):
     def attention_backward_dkdv(q, k, v, dout, lse, delta, dk, dv, scale_log2, left, right, vec, mod):
         # q, dout: (batch, seqlen_q, nheads, headdim); k, v, dk, dv: (batch, seqlen_k, nheads_kv, headdim)
         # lse, delta: (batch, nheads, seqlen_q)
+        if PACKED:  # a varlen call: the block narrows its operands to its own sequence (`kernels.sequences`)
+            q_start, q_end, k_start, k_end = sequence(mod, cuda.blockIdx.z)
+            q, dout = q[:, q_start:q_end], dout[:, q_start:q_end]
+            lse, delta = lse[:, :, q_start:q_end], delta[:, :, q_start:q_end]
+            k, v, dk, dv = k[:, k_start:k_end], v[:, k_start:k_end], dk[:, k_start:k_end], dv[:, k_start:k_end]
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         group = q.shape[2] // k.shape[2]
         b, hk, key_start, q_lo, q_hi = key_block(cuda.blockIdx, q, k, BLOCK_K, left, right)
+        if PACKED and key_start >= seqlen_k:  # past its sequence's key blocks: the grid covers the longest
+            return
         tid = cuda.threadIdx.x
         r, c = tid // COLS_T, tid % COLS_T  # r: this thread's keys, c: its queries in each query tile
 
@@ -224,6 +234,8 @@ def build_dkdv(D, tiles, storage, mods=NONE):
 
 
 def build_dq(D, tiles, storage, mods=NONE):
+    sequence = sequences(mods)
+    PACKED = mods.packed
     ACC, to_acc, from_acc = elements.codec(storage)
     acc_bytes = np.dtype(str(ACC)).itemsize
     BLOCK_M, BLOCK_N, TM, TN = tiles.block_m, tiles.block_n, tiles.thread_m, tiles.thread_n
@@ -242,8 +254,15 @@ def build_dq(D, tiles, storage, mods=NONE):
 
     def attention_backward_dq(q, k, v, dout, lse, delta, dq, scale_log2, left, right, vec, mod):
         # q, dout, dq: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim)
+        if PACKED:  # a varlen call: the block narrows its operands to its own sequence (`kernels.sequences`)
+            q_start, q_end, k_start, k_end = sequence(mod, cuda.blockIdx.z)
+            q, dout, dq = q[:, q_start:q_end], dout[:, q_start:q_end], dq[:, q_start:q_end]
+            lse, delta = lse[:, :, q_start:q_end], delta[:, :, q_start:q_end]
+            k, v = k[:, k_start:k_end], v[:, k_start:k_end]
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
+        if PACKED and row_start < 0:  # past its sequence's query blocks: the grid covers the longest
+            return
         bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)
         tid = cuda.threadIdx.x
         r, c = tid // COLS_T, tid % COLS_T

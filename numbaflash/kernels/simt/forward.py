@@ -27,6 +27,7 @@ from ..blocks import query_block, write_hidden_rows
 from ..intrinsics import group_max, group_sum
 from ..fragments import fill
 from ..key_tiles import key_tiles
+from ..sequences import sequences
 from ..mods import kernel_type, modifiers
 from .tiles import in_parts, outer_product, patch_writer, stagers, vector_width
 
@@ -49,6 +50,8 @@ def build(D, tiles, storage, mods=NONE):
 
     Every size is a compile-time constant of the returned function; `kernels.compiled` compiles it.
     """
+    sequence = sequences(mods)
+    PACKED = mods.packed
     ACC, to_acc, from_acc = elements.codec(storage)
     acc_bytes = np.dtype(str(ACC)).itemsize
     BLOCK_M, BLOCK_N, TM, TN = tiles.block_m, tiles.block_n, tiles.thread_m, tiles.thread_n
@@ -74,8 +77,15 @@ def build(D, tiles, storage, mods=NONE):
     def attention_forward(q, k, v, out, lse, scale_log2, left, right, vec, mod):
         # q, out: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim)
         # lse: (batch, nheads, seqlen_q)
+        if PACKED:  # a varlen call: the block narrows its operands to its own sequence (`kernels.sequences`)
+            q_start, q_end, k_start, k_end = sequence(mod, cuda.blockIdx.z)
+            q, out = q[:, q_start:q_end], out[:, q_start:q_end]
+            lse = lse[:, :, q_start:q_end]
+            k, v = k[:, k_start:k_end], v[:, k_start:k_end]
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
+        if PACKED and row_start < 0:  # past its sequence's query blocks: the grid covers the longest
+            return
         bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)
         tid = cuda.threadIdx.x
         r, c = tid // COLS_T, tid % COLS_T

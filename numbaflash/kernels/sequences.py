@@ -1,0 +1,38 @@
+"""Where a thread block's sequence lies in its operands: the whole batch element, or one packed sequence.
+
+A varlen call (`numbaflash.varlen`) packs its sequences along one axis, flash-attn's layout: q is
+``(total_q, nheads, headdim)`` and sequence ``b`` holds rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]``. The
+kernels receive every operand as a 4-D view whose batch axis has stride 0 (each batch index sees the
+whole packed array) and, in their ``mod`` tuple (`kernels.mods`), ``cu_seqlens_q`` and ``cu_seqlens_k``.
+At its start a block of a kernel built with ``mods.packed`` narrows its operands to its own sequence::
+
+    if PACKED:
+        q_start, q_end, k_start, k_end = sequence(mod, cuda.blockIdx.z)
+        q = q[:, q_start:q_end]  # and out, dq, dout; lse and delta on their last axis; k, v, dk, dv on k_*
+
+so the rest of the kernel reads ``x[b, row, ...]`` with rows and lengths local to that sequence, as in a
+padded batch, and masks, ALiBi and the user's functions see local indices: the call equals one call per
+sequence. The narrowing is written in each kernel, not here, because a CUDA device function may not
+return a new array view; ``PACKED`` is a compile-time constant, so other kernels compile without it.
+The grid of a varlen call covers its longest sequence: a block whose first row (or key) lies past its
+own sequence's length returns at once.
+"""
+
+from .intrinsics import device_function
+
+
+def sequences(mods):
+    """``sequence(mod, b)``: the bounds ``(q_start, q_end, k_start, k_end)`` of packed sequence ``b``."""
+    CU_AT = int(mods.block_sparse)  # cu_seqlens_q's place in the mod tuple; cu_seqlens_k follows it
+
+    if mods.packed:
+        @device_function
+        def sequence(mod, b):
+            cu_q, cu_k = mod[CU_AT], mod[CU_AT + 1]
+            return cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
+    else:
+        @device_function
+        def sequence(mod, b):  # never called: kernels narrow only when PACKED
+            return 0, 0, 0, 0
+
+    return sequence

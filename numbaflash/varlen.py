@@ -1,0 +1,167 @@
+"""Packed variable-length batches: `attention_varlen` and `attention_varlen_backward`, in flash-attn's layout.
+
+q is ``(total_q, nheads, headdim)`` and k, v ``(total_k, nheads_kv, headdim)``; sequence ``b`` is
+``q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]`` attending to ``k, v[cu_seqlens_k[b]:cu_seqlens_k[b + 1]]``. A call
+equals one `numbaflash.attention` call per sequence: masks aligned bottom-right within each sequence,
+ALiBi distances and the user's ``q_idx``, ``kv_idx`` local to it, ``b`` its index (``alibi_slopes`` may be
+``(num_sequences, nheads)``). It runs as one launch per kernel, whose grid covers the longest sequence: each
+block narrows the operands to its own sequence (`kernels.sequences`) and returns at once past its end, so no
+sequence is padded and no work is spent on padding.
+"""
+
+import dataclasses
+
+import numpy as np
+
+from . import _arrays, arguments, interface, tiling
+
+_NAMES = ("cu_seqlens_q", "cu_seqlens_k")
+
+
+@dataclasses.dataclass
+class _Packed:
+    """A validated varlen call: the `interface.Call` the kernels run (batch = number of sequences, seqlens =
+    the longest ones), its operands with a stride-0 batch axis, and the packed totals."""
+
+    call: interface.Call
+    total_q: int
+    total_k: int
+
+
+def _check_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, totals):
+    """The cu_seqlens as Operands and the number of sequences; each checked on the host (a small copy):
+    int32, 1-D, equal lengths >= 2, from 0, non-decreasing, ending at its total; max_seqlen at least the
+    longest sequence (the grid covers max_seqlen: a shorter one would leave rows uncomputed)."""
+    ops = []
+    for x, name, total, longest in zip((cu_seqlens_q, cu_seqlens_k), _NAMES, totals, (max_seqlen_q, max_seqlen_k)):
+        if isinstance(x, np.ndarray) != (q.kind == "numpy"):
+            raise TypeError(f"{name} must be an array of the same kind as q ({q.kind}); got "
+                            f"{type(x).__module__}.{type(x).__name__}")
+        op = _arrays.describe(x, name)
+        if op.device != q.device:
+            raise ValueError(f"{name} is on device {op.device}, q on device {q.device}: put them on one device")
+        if op.dtype != "int32" or len(op.shape) != 1 or op.shape[0] < 2:
+            raise ValueError(f"{name} must be int32 of shape (num_sequences + 1,), at least 2 entries (flash-attn's "
+                             f"cumulative lengths); got {op.dtype} of shape {op.shape}")
+        cu = _arrays.to_host(op).astype(np.int64)
+        lengths = np.diff(cu)
+        if cu[0] != 0 or (lengths < 0).any() or cu[-1] != total:
+            raise ValueError(f"{name} must start at 0, never decrease, and end at the packed length {total}; "
+                             f"got {cu[:4].tolist()}{' ...' if len(cu) > 4 else ''} ending at {cu[-1]}")
+        name_max = "max_seqlen_" + name[-1]
+        arguments.positive_int(longest, name_max)
+        if longest < lengths.max():
+            raise ValueError(f"{name_max} ({longest}) is shorter than the longest sequence in {name} "
+                             f"({lengths.max()}); pass at least that")
+        ops.append(op)
+    if ops[0].shape != ops[1].shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one entry per sequence plus one, the same number; "
+                         f"got shapes {ops[0].shape} and {ops[1].shape}")
+    return ops, ops[0].shape[0] - 1
+
+
+def _inspect(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size,
+             modifications, backward=False):
+    for x, name in ((q, "q"), (k, "k"), (v, "v")):
+        if len(getattr(x, "shape", ())) != 3:
+            raise ValueError(f"{name} must be 3-D, packed sequences (total_{'q' if name == 'q' else 'k'}, nheads, "
+                             f"headdim) as in flash-attn's varlen functions; got shape {tuple(getattr(x, 'shape', ()))}")
+    q_op = _arrays.describe(q, "q")
+    totals = (q_op.shape[0], _arrays.describe(k, "k").shape[0])
+    cu_ops, batch = _check_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_op, totals)
+    views = [_arrays.batch_view(x, batch) for x in (q, k, v)]
+    call = interface.inspect(*views, causal, softmax_scale, window_size, modifications=modifications, backward=backward)
+    call.seqlen_q, call.seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+    call.mods = dataclasses.replace(call.mods, packed=True)
+    call.mod_values = tuple(cu_ops) + call.mod_values  # `kernels.mods.values`'s order
+    return _Packed(call, *totals)
+
+
+def _modifications(softcap, alibi_slopes, score_mod, score_mod_grad, mask_mod, mod_args):
+    return dict(softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod, score_mod_grad=score_mod_grad,
+                mask_mod=mask_mod, mod_args=mod_args)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                     softmax_scale=None, window_size=(-1, -1), return_lse=False, plan=None, softcap=0.0,
+                     alibi_slopes=None, score_mod=None, score_mod_grad=None, mask_mod=None, mod_args=()):
+    """`numbaflash.attention` on packed sequences of different lengths (flash-attn's ``flash_attn_varlen_func``).
+
+    Args:
+        q: ``(total_q, nheads, headdim)``, the sequences' query rows one after another.
+        k, v: ``(total_k, nheads_kv, headdim)``.
+        cu_seqlens_q, cu_seqlens_k: int32 ``(num_sequences + 1,)``, of q's kind and device: sequence ``b`` is
+            rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q (and likewise of k, v). Checked on the host,
+            which copies them there (a synchronization on the GPU).
+        max_seqlen_q, max_seqlen_k: at least the longest sequence's lengths (the grid covers them).
+        plan: ``numbaflash.tiling.make_plan(num_sequences, nheads, nheads_kv, max_seqlen_q, max_seqlen_k,
+            headdim, dtype, tiles=..., packed=True)``, to choose the kernel's blocks explicitly.
+        causal, softmax_scale, window_size, return_lse, softcap, alibi_slopes, score_mod, score_mod_grad,
+            mask_mod, mod_args: as in `numbaflash.attention`, per sequence: masks and ALiBi are aligned
+            bottom-right in each sequence, the user's functions get the sequence's index as ``b`` and
+            indices local to it, and ``alibi_slopes`` may be ``(num_sequences, nheads)``. Block masks are
+            not taken: a packed batch already skips every tile between sequences.
+
+    Returns:
+        out ``(total_q, nheads, headdim)``; with ``return_lse`` also lse ``(nheads, total_q)`` (flash-attn's
+        varlen layout), float32 (float64 for float64 inputs).
+    """
+    arguments.flag(return_lse, "return_lse")
+    packed = _inspect(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                      window_size, _modifications(softcap, alibi_slopes, score_mod, score_mod_grad, mask_mod, mod_args))
+    call = packed.call
+    with interface._device_context(call):
+        plan = (interface._check_plan(plan, call, "forward") if plan is not None
+                else interface._plan_for(call, backward=False))
+        out = _arrays.empty(call.q, (packed.total_q, call.nheads, call.headdim), call.dtype)
+        lse = _arrays.empty(call.q, (call.nheads, packed.total_q), call.lse_dtype)
+        views = [_arrays.describe(_arrays.batch_view(x, call.batch), n) for x, n in ((out, "out"), (lse, "lse"))]
+        interface.run_forward(call, plan, *views)
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                              causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              score_mod=None, score_mod_grad=None, mask_mod=None, mod_args=()):
+    """Gradients of `attention_varlen`, deterministic, as `numbaflash.attention_backward`.
+
+    Args:
+        dout: ``(total_q, nheads, headdim)``, the gradient of out.
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k and the options: as passed to
+            `attention_varlen`; out, lse: its outputs (``return_lse=True``).
+
+    Returns:
+        ``(dq, dk, dv)`` shaped like q, k, v.
+    """
+    packed = _inspect(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                      window_size, _modifications(softcap, alibi_slopes, score_mod, score_mod_grad, mask_mod, mod_args),
+                      backward=True)
+    call = packed.call
+    q_shape = (packed.total_q, call.nheads, call.headdim)
+    for x, name in ((dout, "dout"), (out, "out")):
+        op = _arrays.describe(x, name)
+        if op.shape != q_shape or op.dtype != call.dtype or op.kind != call.q.kind or op.device != call.device:
+            raise ValueError(f"{name} must match q: shape {q_shape}, dtype {call.dtype} on the same device; got "
+                             f"shape {op.shape}, dtype {op.dtype}")
+    lse_op = _arrays.describe(lse, "lse")
+    want_lse = (call.nheads, packed.total_q)
+    if lse_op.shape != want_lse or lse_op.dtype != call.lse_dtype:
+        raise ValueError(f"lse must be attention_varlen's log-sum-exp: shape {want_lse}, dtype {call.lse_dtype}; got "
+                         f"shape {lse_op.shape}, dtype {lse_op.dtype}")
+    with interface._device_context(call):
+        plan = interface._plan_for(call, backward=True)
+        dq = _arrays.empty(call.q, q_shape, call.dtype)
+        dk = _arrays.empty(call.q, (packed.total_k, call.nheads_kv, call.headdim), call.dtype)
+        dv = _arrays.empty(call.q, (packed.total_k, call.nheads_kv, call.headdim), call.dtype)
+        delta = _arrays.empty(call.q, want_lse, call.lse_dtype)
+
+        def views(batch, *named):
+            return [_arrays.describe(_arrays.batch_view(x, batch), n) for x, n in named]
+
+        # The preprocess works row by row: the packed rows as one batch element.
+        preprocess = (*views(1, (out, "out"), (dout, "dout"), (delta, "delta")),
+                      tiling.preprocess_grid(packed.total_q, call.nheads, 1))
+        dout_op, lse_op, out_op, delta_op, dq_op, dk_op, dv_op = views(
+            call.batch, (dout, "dout"), (lse, "lse"), (out, "out"), (delta, "delta"), (dq, "dq"), (dk, "dk"), (dv, "dv"))
+        interface.run_backward(call, plan, dout_op, lse_op, out_op, delta_op, dq_op, dk_op, dv_op, preprocess)
+    return dq, dk, dv
