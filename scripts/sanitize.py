@@ -52,6 +52,17 @@ def grid():
                                                               mod_args=(doc_q, doc_k, temperature)))
         out, lse = numbaflash.attention(q, k, v, return_lse=True, **modifications)
         numbaflash.attention_backward(dout, q, k, v, out, lse, **modifications)
+        # Packed sequences (varlen), causal, head dims 40 and 64 (on Hopper the wgmma v3 forward, which
+        # varlen runs at 64 too): one with no queries, one with no keys, one shorter than a tile; a block
+        # reads and writes its own sequence's rows only.
+        seqlens_q, seqlens_k = [70, 0, 5, 33, 9], [40, 7, 0, 70, 3]
+        cu_q, cu_k = (cupy.asarray(np.concatenate([[0], np.cumsum(n)]).astype(np.int32)) for n in (seqlens_q, seqlens_k))
+        for d in (40, 64):
+            q, k, v, dout = (cupy.asarray(rng.standard_normal(s).astype(dtype)) for s in
+                             ((sum(seqlens_q), 4, d), (sum(seqlens_k), 2, d), (sum(seqlens_k), 2, d), (sum(seqlens_q), 4, d)))
+            lengths = (cu_q, cu_k, max(seqlens_q), max(seqlens_k))
+            out, lse = numbaflash.attention_varlen(q, k, v, *lengths, causal=True, return_lse=True)
+            numbaflash.attention_varlen_backward(dout, q, k, v, out, lse, *lengths, causal=True)
     cupy.cuda.Device().synchronize()
 
 

@@ -23,12 +23,14 @@ from .intrinsics import device_function
 
 def sequences(mods):
     """``sequence(mod, b)``: the bounds ``(q_start, q_end, k_start, k_end)`` of packed sequence ``b``."""
-    CU_AT = int(mods.block_sparse)  # cu_seqlens_q's place in the mod tuple; cu_seqlens_k follows it
+    # cu_seqlens_q's and cu_seqlens_k's places in the mod tuple (constants: the tuple's members differ in type)
+    CU_Q_AT = int(mods.block_sparse)
+    CU_K_AT = CU_Q_AT + 1
 
     if mods.packed:
         @device_function
         def sequence(mod, b):
-            cu_q, cu_k = mod[CU_AT], mod[CU_AT + 1]
+            cu_q, cu_k = mod[CU_Q_AT], mod[CU_K_AT]
             return cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
     else:
         @device_function
