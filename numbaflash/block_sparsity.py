@@ -61,28 +61,34 @@ class BlockMask:
             self._fine = _tile_counts(self._visible(), FINE, FINE)
         return self._fine
 
+    def visited(self, block_m, block_n, left, right):
+        """bool ``(batch or 1, nheads or 1, query tiles, key tiles)``: the tiles a forward visits, those the
+        block mask finds not empty and the causal/window mask ``(left, right)`` does not hide (what
+        `key_tiles` lists for the kernels and `sim.count_io(block_mask=...)` counts)."""
+        classes = self.classify(block_m, block_n)
+        shown = np.zeros(classes.shape[2:], bool)
+        tile_index = np.arange(classes.shape[3])
+        for qt in range(classes.shape[2]):
+            row_start = qt * block_m
+            lo, hi = masks.block_key_range(row_start, min(row_start + block_m, self.seqlen_q), self.seqlen_q,
+                                           self.seqlen_k, left, right)
+            shown[qt] = (tile_index * block_n < hi) & ((tile_index + 1) * block_n > lo)
+        return (classes != EMPTY) & shown
+
     def key_tiles(self, block_m, block_n, left, right, like):
         """The forward's schedule (`kernels.key_tiles`): int32 ``(batch or 1, nheads or 1, query tiles, key tiles
-        + 2)``; entry 0 of a query tile counts the key tiles it visits, those the block mask finds not empty
-        and the causal/window mask ``(left, right)`` does not hide, and entries 1.. are ``2 * key tile + (1 if
-        FULL)``, ascending. An array of the kind and device of `_arrays.Operand` ``like``, cached."""
+        + 2)``; entry 0 of a query tile counts the key tiles it visits (`visited`), and entries 1.. are
+        ``2 * key tile + (1 if FULL)``, ascending. An array of the kind and device of `_arrays.Operand`
+        ``like``, cached."""
         key = (block_m, block_n, left, right, like.kind, like.device)
         if key not in self._tables:
-            classes = self.classify(block_m, block_n)
+            classes, visited = self.classify(block_m, block_n), self.visited(block_m, block_n, left, right)
             # One spare entry past the last tile: kernels read the next tile's start before they test the count.
             table = np.zeros(classes.shape[:3] + (classes.shape[3] + 2,), np.int32)
-            tile_index = np.arange(classes.shape[3])
-            for qt in range(classes.shape[2]):
-                row_start = qt * block_m
-                lo, hi = masks.block_key_range(row_start, min(row_start + block_m, self.seqlen_q), self.seqlen_q,
-                                               self.seqlen_k, left, right)
-                shown = (tile_index * block_n < hi) & ((tile_index + 1) * block_n > lo)
-                for b in range(classes.shape[0]):
-                    for h in range(classes.shape[1]):
-                        row = classes[b, h, qt]
-                        tiles = np.flatnonzero((row != EMPTY) & shown)
-                        table[b, h, qt, 0] = len(tiles)
-                        table[b, h, qt, 1:1 + len(tiles)] = 2 * tiles + (row[tiles] == FULL)
+            for b, h, qt in np.ndindex(*classes.shape[:3]):
+                tiles = np.flatnonzero(visited[b, h, qt])
+                table[b, h, qt, 0] = len(tiles)
+                table[b, h, qt, 1:1 + len(tiles)] = 2 * tiles + (classes[b, h, qt, tiles] == FULL)
             self._tables[key] = _arrays.from_host(like, table)
         return self._tables[key]
 

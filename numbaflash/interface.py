@@ -413,7 +413,8 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
         the_plan = _plan_for(call, backward)
     sizes = dict(seqlen_k=call.seqlen_k, batch=call.batch, nheads=call.nheads, nheads_kv=call.nheads_kv,
                  causal=causal, window_size=tuple(window_size), backward=backward, dtype_bytes=the_plan.dtype_bytes)
-    flash = sim.predict_io(call.seqlen_q, call.headdim, plan=the_plan, **sizes)
+    block_mask = call.block_mask if not backward else None  # the backward visits every tile the mask shows
+    flash = sim.predict_io(call.seqlen_q, call.headdim, plan=the_plan, block_mask=block_mask, **sizes)
     standard = sim.predict_io(call.seqlen_q, call.headdim, algorithm="standard", sram_bytes=the_plan.sram_bytes, **sizes)
     mask = "causal" if causal else (f"window {tuple(window_size)}" if tuple(window_size) != (-1, -1) else "no mask")
     heads = f"{call.nheads}" + (f" (GQA, {call.nheads_kv} kv heads)" if call.nheads_kv != call.nheads else "")
@@ -453,8 +454,8 @@ def _block_mask_lines(call, the_plan, backward):
                 "mask shows (the traffic below is the dense schedule's)"]
     density = call.block_mask.density(the_plan.block_m, the_plan.block_n)
     return [f"block mask  {density:.1%} of the {the_plan.block_m} x {the_plan.block_n} tiles are not empty: the "
-            "forward visits only those, and calls mask_mod on the partial ones (the traffic below is the dense "
-            "schedule's; sim does not count block masks yet)"]
+            "forward visits only those, and calls mask_mod on the partial ones (the HBM traffic below counts only those; "
+            "sim.hardware's model on the GPU line is the dense schedule's)"]
 
 
 EXPLAIN_TILE_VISITS = 500_000  # about 5 s of `sim.hardware.predict`: explain skips (and says so) past this

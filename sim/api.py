@@ -8,11 +8,13 @@ float64 reference of that group fits `CHECK_ELEMENTS` scores, its values against
 ``Report.checked`` says which.
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from numbaflash import arguments, reference
+from numbaflash import arguments, mods, reference
+from numbaflash.block_sparsity import BlockMask
 from numbaflash.masks import normalize_window
 from numbaflash.tiling import Plan
 
@@ -140,7 +142,7 @@ def _verify(h, hbm_in, algorithm, backward, ctx_args):
 
 
 def _resolve(seqlen, headdim, sram_bytes, algorithm, seqlen_k, batch, nheads, nheads_kv, causal, window_size,
-             backward, dtype_bytes, block_sizes, dq, plan, check_fit=False):
+             backward, dtype_bytes, block_sizes, dq, plan, block_mask=None, check_fit=False):
     """Validate the arguments shared by `count_io` and `predict_io`; the problem, M and the blocks.
 
     ``check_fit``: refuse given blocks that do not fit M, as running the schedule would (`predict_io`
@@ -184,27 +186,46 @@ def _resolve(seqlen, headdim, sram_bytes, algorithm, seqlen_k, batch, nheads, nh
         if need > M:
             raise SramOverflow(f"{algorithm}: blocks {blocks.rows} x {blocks.cols} need {need} elements of SRAM at "
                                f"headdim {headdim}; M = {M}")
+    if block_mask is not None:
+        p = dataclasses.replace(p, visited=_block_mask_tiles(block_mask, algorithm, backward, p, blocks))
     return algorithm, p, M, blocks, dq, dtype_bytes
+
+
+def _block_mask_tiles(block_mask, algorithm, backward, p, blocks):
+    """The tiles a FlashAttention-2 forward with ``block_mask`` visits (`numbaflash.BlockMask.visited`)."""
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be None or what numbaflash.block_mask(...) returns; got "
+                        f"{type(block_mask).__name__}")
+    if algorithm != "flash2" or backward:
+        raise ValueError(f"block_mask: only the FlashAttention-2 forward skips the tiles a block mask empties (the "
+                         f"kernels' backward does not yet); got algorithm {algorithm!r}, backward={backward}")
+    sizes = (block_mask.batch, block_mask.nheads, block_mask.seqlen_q, block_mask.seqlen_k)
+    if (block_mask.seqlen_q, block_mask.seqlen_k) != (p.seqlen_q, p.seqlen_k) or \
+            block_mask.batch not in (None, p.batch) or block_mask.nheads not in (None, p.nheads):
+        raise ValueError(f"block_mask was made for (batch, nheads, seqlen_q, seqlen_k) = {sizes}, not for "
+                         f"{(p.batch, p.nheads, p.seqlen_q, p.seqlen_k)} (None matches any)")
+    return block_mask.visited(blocks.rows, blocks.cols, p.left, p.right)
 
 
 def predict_io(seqlen, headdim, *, sram_bytes=None, algorithm="flash2", seqlen_k=None, batch=1, nheads=1,
                nheads_kv=None, causal=False, window_size=(-1, -1), backward=False, dtype_bytes=2,
-               block_sizes=None, dq="accumulate", plan=None):
-    """The closed form of `count_io`'s count, without running the schedule (instant at any size).
+               block_sizes=None, dq="accumulate", plan=None, block_mask=None):
+    """The closed form of `count_io`'s count, without running the schedule (instant once the block mask, if
+    any, is evaluated).
 
     Same arguments as `count_io`. Returns ``{"reads", "writes", "total", "per_tensor", "total_bytes",
     "blocks"}``; `count_io` checks that the schedule moves exactly this.
     """
     algorithm, p, M, blocks, dq, dtype_bytes = _resolve(
         seqlen, headdim, sram_bytes, algorithm, seqlen_k, batch, nheads, nheads_kv, causal, window_size,
-        backward, dtype_bytes, block_sizes, dq, plan, check_fit=True)
+        backward, dtype_bytes, block_sizes, dq, plan, block_mask, check_fit=True)
     prediction = formulas.predicted(algorithm, backward, p, blocks, dq)
     return {**prediction, "total_bytes": prediction["total"] * dtype_bytes, "blocks": blocks}
 
 
 def count_io(seqlen, headdim, *, sram_bytes=None, algorithm="flash2", seqlen_k=None, batch=1, nheads=1,
              nheads_kv=None, causal=False, window_size=(-1, -1), backward=False, dtype_bytes=2,
-             block_sizes=None, dq="accumulate", plan=None, compute=True, rtol=1e-10, seed=0):
+             block_sizes=None, dq="accumulate", plan=None, block_mask=None, compute=True, rtol=1e-10, seed=0):
     """Run ``algorithm`` on a simulated HBM + SRAM hierarchy and count every element it moves.
 
     Args:
@@ -219,6 +240,9 @@ def count_io(seqlen, headdim, *, sram_bytes=None, algorithm="flash2", seqlen_k=N
         dq: FlashAttention-2 backward only: "accumulate" (the paper: dQ read and written in HBM per
             step) or "separate" (numbaflash's kernels: a dK/dV pass, then a dQ pass).
         plan: a `numbaflash.Plan`: count the schedule a kernel ran (its blocks, SRAM and dQ strategy).
+        block_mask: a `numbaflash.block_mask(...)` (FlashAttention-2 forward): count only the tiles it
+            leaves non-empty, as the kernels visit them. Every (batch element, head) is then simulated, and
+            values are checked where the mask is shared by all of them (its batch and nheads None).
         compute: carry values and check the result against the float64 reference (``rtol``) where one
             group's scores fit `CHECK_ELEMENTS`; with False, only count. ``Report.checked`` says which ran.
 
@@ -228,21 +252,30 @@ def count_io(seqlen, headdim, *, sram_bytes=None, algorithm="flash2", seqlen_k=N
     """
     algorithm, p, M, blocks, dq, dtype_bytes = _resolve(
         seqlen, headdim, sram_bytes, algorithm, seqlen_k, batch, nheads, nheads_kv, causal, window_size,
-        backward, dtype_bytes, block_sizes, dq, plan)
+        backward, dtype_bytes, block_sizes, dq, plan, block_mask)
     arguments.flag(compute, "compute")
-    # One (batch element, kv head) group; the others repeat its schedule on their own tensors.
-    group = Problem(p.seqlen_q, p.seqlen_k, headdim, 1, p.group, 1, p.left, p.right)
-    copies = p.batch * p.nheads_kv
-    scores = p.seqlen_q * p.seqlen_k * p.group
-    verify = compute and scores <= CHECK_ELEMENTS
     ctx_args = dict(causal=causal, softmax_scale=1.0 / np.sqrt(headdim), window_size=window_size)
+    visible = reference.visible_mask(p.seqlen_q, p.seqlen_k, causal, window_size)
+    unchecked = ""
+    if p.visited is None:
+        # One (batch element, kv head) group; the others repeat its schedule on their own tensors.
+        group = Problem(p.seqlen_q, p.seqlen_k, headdim, 1, p.group, 1, p.left, p.right)
+    else:  # a block mask may differ per batch element and head: every one runs
+        group = p
+        ctx_args.update(mask_mod=block_mask.mask_mod, mod_args=block_mask.mod_args)
+        if block_mask.batch is None and block_mask.nheads is None:
+            visible = visible & mods.visible(block_mask.mask_mod, (1, 1, p.seqlen_q, p.seqlen_k), block_mask.mod_args)[0, 0]
+        else:
+            unchecked = "the block mask differs per batch element or head, and the schedule's scores take one mask"
+    copies = p.batch * p.nheads_kv // (group.batch * group.nheads_kv)
+    scores = p.seqlen_q * p.seqlen_k * group.batch * group.nheads
+    verify = compute and scores <= CHECK_ELEMENTS and not unchecked
     if verify:
         hbm_in = _inputs(group, ctx_args, backward, algorithm, np.random.default_rng(seed))
         hbm = dict(hbm_in)
         # Outputs start as NaN: an element the schedule never writes fails the check.
         hbm.update({name: np.full(shape, np.nan) for name, shape in _outputs(group, algorithm, backward).items()})
-        ctx = common.Context(ctx_args["softmax_scale"],
-                             reference.visible_mask(p.seqlen_q, p.seqlen_k, causal, window_size))
+        ctx = common.Context(ctx_args["softmax_scale"], visible)
     else:
         hbm = {**_input_shapes(group, algorithm, backward), **_outputs(group, algorithm, backward)}
         ctx = common.Context(ctx_args["softmax_scale"])
@@ -270,6 +303,8 @@ def count_io(seqlen, headdim, *, sram_bytes=None, algorithm="flash2", seqlen_k=N
                  f"its counts x {copies}" if copies > 1 else "every head simulated")
     if verify:
         checked = f"counts against the closed form; values against the float64 reference ({simulated})"
+    elif compute and unchecked:
+        checked = f"counts against the closed form; values not checked: {unchecked} ({simulated})"
     elif compute:
         checked = (f"counts against the closed form; values not checked: {scores:,} scores exceed the "
                    f"{CHECK_ELEMENTS:,} of the float64 check ({simulated})")

@@ -12,10 +12,15 @@ block's visible key range [lo, hi) (`numbaflash.masks.block_key_range`) by arith
 * ``union``  = key rows of the key blocks visible to some query: K, V loaded once per key block.
 
 Without a mask: pairs = N_q T_c, keys = N_k T_r, seen = N_q, union = N_k.
+
+With a block mask (``Problem.visited``, the FlashAttention-2 forward only) ``seen`` and ``keys`` are sums over
+every batch element and head of the tiles the table marks visited (`block_mask_sums`).
 """
 
 from collections import defaultdict
 from dataclasses import dataclass
+
+import numpy as np
 
 from .problem import cdiv
 
@@ -43,6 +48,16 @@ def mask_sums(p, blocks):
     lo, hi = p.key_range(0, p.seqlen_q)
     union = min(cdiv(hi, bc) * bc, p.seqlen_k) - (lo // bc) * bc if lo < hi else 0
     return MaskSums(pairs, keys, seen, union)
+
+
+def block_mask_sums(p, blocks):
+    """``(seen, keys)`` over all batch elements and heads: the query rows of blocks that visit a tile, and the
+    key rows of every visited tile, from the block mask's table by array sums."""
+    br, bc = blocks.rows, blocks.cols
+    visited = np.broadcast_to(p.visited, (p.batch, p.nheads) + p.visited.shape[2:])
+    rows = np.minimum(np.arange(1, visited.shape[2] + 1) * br, p.seqlen_q) - np.arange(visited.shape[2]) * br
+    keys = np.minimum(np.arange(1, visited.shape[3] + 1) * bc, p.seqlen_k) - np.arange(visited.shape[3]) * bc
+    return int((visited.any(axis=3) * rows).sum()), int((visited * keys).sum())
 
 
 FORMULAS = {
@@ -79,6 +94,10 @@ def predicted(algorithm, backward, p, blocks, dq="accumulate"):
         r.update(K=bhk * m.union * d, V=bhk * m.union * d, Q=bh * m.pairs * d, O=bh * m.pairs * d,
                  dO=bh * m.pairs * d, dQ=bh * m.pairs * d, l=bh * m.pairs, m=bh * m.pairs)
         w.update(dQ=bh * (nq + m.pairs) * d, dK=bhk * (nk + m.union) * d, dV=bhk * (nk + m.union) * d)
+    elif not backward and p.visited is not None:
+        seen, keys = block_mask_sums(p, blocks)
+        r.update(Q=seen * d, K=keys * d, V=keys * d)
+        w.update(O=bh * nq * d, LSE=bh * nq)
     elif not backward:
         r.update(Q=bh * m.seen * d, K=bh * m.keys * d, V=bh * m.keys * d)
         w.update(O=bh * nq * d, LSE=bh * nq)

@@ -1,6 +1,8 @@
 """The attention problem a schedule runs on: sizes, heads, mask, and its row and column blocks."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from numbaflash.masks import block_key_range
 
@@ -11,7 +13,9 @@ def cdiv(a, b):
 
 @dataclass(frozen=True)
 class Problem:
-    """Sizes of one attention call; ``left``/``right`` is the normalized window (-1 unbounded)."""
+    """Sizes of one attention call; ``left``/``right`` is the normalized window (-1 unbounded). ``visited``: a
+    block mask's tiles (`numbaflash.BlockMask.visited` for the schedule's blocks, ``(batch or 1, nheads or 1,
+    query blocks, key blocks)``); None visits every tile the causal/window mask shows."""
 
     seqlen_q: int
     seqlen_k: int
@@ -21,6 +25,7 @@ class Problem:
     nheads_kv: int = 1
     left: int = -1
     right: int = -1
+    visited: np.ndarray = field(default=None, compare=False, repr=False)
 
     @property
     def group(self):
@@ -42,9 +47,15 @@ class Problem:
         lo, hi = self.key_range(r0, r1)
         return max(lo, c0) < min(hi, c1)
 
-    def visible_cols(self, r0, r1, block_cols):
-        """The key blocks a query block must visit; the rest the mask hides entirely."""
-        return [(j, c0, c1) for j, c0, c1 in self.col_blocks(block_cols) if self.visible(r0, r1, c0, c1)]
+    def visible_cols(self, r0, r1, block_cols, block=(0, 0, 0)):
+        """The key blocks query block ``[r0, r1)`` must visit; the rest the mask hides entirely, and with
+        ``visited`` the block mask: ``block`` is the query block's ``(batch element, head, index)``."""
+        cols = [(j, c0, c1) for j, c0, c1 in self.col_blocks(block_cols) if self.visible(r0, r1, c0, c1)]
+        if self.visited is None:
+            return cols
+        b, h, i = block
+        tiles = self.visited[b if self.visited.shape[0] > 1 else 0, h if self.visited.shape[1] > 1 else 0, i]
+        return [(j, c0, c1) for j, c0, c1 in cols if tiles[j]]
 
     def visible_rows(self, c0, c1, block_rows):
         """The query blocks that see at least one key of [c0, c1)."""

@@ -11,6 +11,8 @@ float64 reference extended with the same modifications, under flash-attn's toler
   softcap: the backward's chain rule through both.
 """
 
+import re
+
 import numpy as np
 import pytest
 
@@ -273,6 +275,13 @@ def test_explain_names_the_modifications_and_what_the_block_mask_skips():
     forward = numbaflash.explain(Q, Q, Q, softcap=2.0, block_mask=causal)
     assert "softcap, mask_mod" in forward and "scores modified in natural-log units" in forward
     assert "of the 16 x 16 tiles are not empty: the forward visits only those" in forward
+    # sim counts the block mask's tiles only: over 64 rows a causal block mask empties the upper tiles.
+    q64 = np.zeros((1, 64, 1, 16), np.float32)
+    causal64 = numbaflash.block_mask(causal.mask_mod, None, None, 64, 64)
+    sparse, dense = (int(re.search(r"HBM traffic.*\(reads ([\d,]+)", numbaflash.explain(q64, q64, q64, **options))
+                               .group(1).replace(",", ""))
+                     for options in (dict(block_mask=causal64), dict(mask_mod=causal.mask_mod)))
+    assert sparse < dense, (sparse, dense)
     backward = numbaflash.explain(Q, Q, Q, block_mask=causal, backward=True)
     assert "not used by the backward yet" in backward
     assert "modified    none" in numbaflash.explain(Q, Q, Q)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, settings, strategies as st
 
+import numbaflash
 import sim
 from sim.blocks import derive, min_sram
 from sim.problem import cdiv
@@ -95,6 +96,32 @@ def test_causal_and_window_masks_skip_hidden_tiles():
     assert window.total < causal.total < full.total
     visited = lambda r: sum(1 for s in r.tiles if "j" in s)
     assert visited(causal) < visited(full)
+
+
+def same_document_causal(b, h, q_idx, kv_idx, docs):
+    return docs[b, q_idx] == docs[b, kv_idx] and kv_idx <= q_idx
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_block_mask_counts_only_the_tiles_it_leaves_non_empty(shared):
+    """Documents, causal inside each: the schedule visits exactly the tiles of the block mask's table (the
+    closed form sums that table independently of the schedule's loops), moves less than dense causal, and
+    computes the reference's values where one mask serves every batch element (``shared``)."""
+    n, blocks = 192, (32, 32)
+    docs = np.stack([np.arange(n) // 48, np.arange(n) // (48 if shared else 70)]).astype(np.int32)
+    mask = numbaflash.block_mask(same_document_causal, None if shared else 2, None, n, n, mod_args=(docs,))
+    sizes = dict(sram_bytes=2**15, block_sizes=blocks, batch=2, nheads=4, nheads_kv=2)
+    sparse = sim.count_io(n, 16, block_mask=mask, **sizes)
+    dense = sim.count_io(n, 16, causal=True, **sizes)
+    assert sparse.matches_prediction and dense.matches_prediction
+    assert sparse.predicted["total"] == sim.predict_io(n, 16, block_mask=mask, **sizes)["total"]
+    assert sparse.total < dense.total
+    visited = mask.visited(*blocks, -1, -1)
+    assert sum(1 for step in sparse.tiles if "j" in step) == int(np.broadcast_to(visited, (2, 4) + visited.shape[2:]).sum())
+    if shared:
+        assert sparse.max_rel_error <= 1e-10 and "values against the float64 reference" in sparse.checked
+    else:
+        assert sparse.max_rel_error is None and "differs per batch element or head" in sparse.checked
 
 
 def test_overflow_names_the_tiles_and_the_budget():
@@ -188,6 +215,13 @@ def test_standard_uncharged_rereads_are_reported():
     (dict(block_sizes=(16, 0)), ValueError, "block_sizes entries must be an integer >= 1"),
     (dict(dq="both"), ValueError, "dq must be one of"),
     (dict(plan="fast"), TypeError, "plan must be None or a numbaflash.plan"),
+    (dict(block_mask="causal"), TypeError, "block_mask must be None or what numbaflash.block_mask"),
+    (dict(block_mask=numbaflash.block_mask(lambda b, h, i, j: j <= i, None, None, 64, 64), backward=True), ValueError,
+     "only the FlashAttention-2 forward skips"),
+    (dict(block_mask=numbaflash.block_mask(lambda b, h, i, j: j <= i, None, None, 64, 64), algorithm="flash1"),
+     ValueError, "only the FlashAttention-2 forward skips"),
+    (dict(block_mask=numbaflash.block_mask(lambda b, h, i, j: j <= i, 3, None, 64, 64)), ValueError,
+     "block_mask was made for"),
 ])
 @pytest.mark.parametrize("function", ["count_io", "predict_io"])
 def test_count_and_predict_refuse_the_same_bad_arguments(function, kwargs, error, message):

@@ -26,7 +26,7 @@ def forward(h, p, blocks, ctx):
             hk = hq // p.group
             for i, r0, r1 in p.row_blocks(blocks.rows):
                 with h.step("forward", b=b, h=hq, i=i):
-                    key_blocks = p.visible_cols(r0, r1, blocks.cols)
+                    key_blocks = p.visible_cols(r0, r1, blocks.cols, (b, hq, i))
                     if not key_blocks:
                         h.fill("O", rows(b, hq, r0, r1), 0.0)
                         h.fill("LSE", vec(b, hq, r0, r1), -np.inf)
