@@ -12,12 +12,18 @@ Forward and backward; each reported as the padded (or batch) time over varlen's:
 Every varlen call is first checked against `numbaflash.attention` on each of its first two sequences.
 
     python scripts/bench_varlen.py --out DIR
+    python scripts/bench_varlen.py --split      # where packing's cost goes, at equal lengths
+
+``--split`` times varlen against the same batch as 16 x 1024 and 2 x 8192 tokens: on the GPU (events),
+again without the host check of cu_seqlens, and the host's own time per call (from an idle GPU).
 """
 
 import argparse
 import json
 import os
+import statistics
 import sys
+import time
 
 import numpy as np
 
@@ -81,14 +87,58 @@ def run(headdim, causal, name, lengths):
     return row
 
 
+def host_ms(torch, fn, repeats=20):
+    """Median wall time of ``fn`` started on an idle GPU: the host's own cost of a call."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def split(headdims):
+    import torch
+
+    import numbaflash
+    from numbaflash import _arrays
+
+    for headdim in headdims:
+        for causal in (False, True):
+            for batch, seqlen in ((16, 1024), (2, 8192)):
+                q, k, v = (torch.randn(batch * seqlen, NHEADS, headdim, device="cuda", dtype=torch.float16)
+                           for _ in range(3))
+                cu = torch.arange(0, batch * seqlen + 1, seqlen, dtype=torch.int32, device="cuda")
+                q4, k4, v4 = (x.view(batch, seqlen, NHEADS, headdim) for x in (q, k, v))
+                same = lambda: numbaflash.attention(q4, k4, v4, causal=causal)
+                packed = lambda: numbaflash.attention_varlen(q, k, v, cu, cu, seqlen, seqlen, causal=causal)
+                t_same, t_packed = time_ms(same), time_ms(packed)
+                h_same, h_packed = host_ms(torch, same), host_ms(torch, packed)
+                real, cu_host = _arrays.to_host, cu.cpu().numpy()
+                _arrays.to_host = lambda op: cu_host  # the check's copy and synchronization left out
+                try:
+                    t_unchecked = time_ms(packed)
+                finally:
+                    _arrays.to_host = real
+                print(f"d={headdim} {'causal' if causal else 'full'} {batch} x {seqlen}: batch/varlen "
+                      f"{t_same / t_packed:.2f}, without the host check {t_same / t_unchecked:.2f}; host ms per call: "
+                      f"varlen {h_packed:.3f}, batch {h_same:.3f}", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--headdims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--out", default=".")
+    parser.add_argument("--split", action="store_true", help="where packing's cost goes, at equal lengths")
     args = parser.parse_args()
     import torch
 
     print(f"device: {torch.cuda.get_device_name()}")
+    if args.split:
+        split(args.headdims)
+        return
     rows = []
     for headdim in args.headdims:
         for causal in (False, True):
