@@ -89,3 +89,21 @@ def test_varlen_matches_one_call_per_sequence(device):
         torch.testing.assert_close(out[rows], want[0], rtol=1e-12, atol=1e-12)
         for leaf, single, s in zip(leaves, alone, (rows, keys, keys)):
             torch.testing.assert_close(leaf.grad[s], single.grad[0], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.gpu
+def test_varlen_reads_unchanged_cu_seqlens_to_the_host_once(device, monkeypatch):
+    """The host check of cu_seqlens copies a torch tensor again only after torch wrote to it."""
+    from numbaflash import _arrays
+
+    copies = []
+    real = _arrays.to_host
+    monkeypatch.setattr(_arrays, "to_host", lambda op: copies.append(op.obj) or real(op))
+    q = torch.randn(9, 1, 16, device=device, dtype=torch.float16)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32, device=device)
+    first = nf_torch.attention_varlen(q, q, q, cu, cu, 5, 5)
+    nf_torch.attention_varlen(q, q, q, cu, cu, 5, 5)
+    assert len(copies) == 1  # one tensor for both cu_seqlens, read once
+    cu[1] = 5  # sequences of 5 and 4 rows now: the check must read it again
+    second = nf_torch.attention_varlen(q, q, q, cu, cu, 5, 5)
+    assert len(copies) == 2 and not torch.equal(first, second)
