@@ -255,7 +255,6 @@ def count_io(seqlen, headdim, *, sram_bytes=None, algorithm="flash2", seqlen_k=N
         backward, dtype_bytes, block_sizes, dq, plan, block_mask)
     arguments.flag(compute, "compute")
     ctx_args = dict(causal=causal, softmax_scale=1.0 / np.sqrt(headdim), window_size=window_size)
-    visible = reference.visible_mask(p.seqlen_q, p.seqlen_k, causal, window_size)
     unchecked = ""
     if p.visited is None:
         # One (batch element, kv head) group; the others repeat its schedule on their own tensors.
@@ -263,9 +262,7 @@ def count_io(seqlen, headdim, *, sram_bytes=None, algorithm="flash2", seqlen_k=N
     else:  # a block mask may differ per batch element and head: every one runs
         group = p
         ctx_args.update(mask_mod=block_mask.mask_mod, mod_args=block_mask.mod_args)
-        if block_mask.batch is None and block_mask.nheads is None:
-            visible = visible & mods.visible(block_mask.mask_mod, (1, 1, p.seqlen_q, p.seqlen_k), block_mask.mod_args)[0, 0]
-        else:
+        if block_mask.batch is not None or block_mask.nheads is not None:
             unchecked = "the block mask differs per batch element or head, and the schedule's scores take one mask"
     copies = p.batch * p.nheads_kv // (group.batch * group.nheads_kv)
     scores = p.seqlen_q * p.seqlen_k * group.batch * group.nheads
@@ -275,6 +272,9 @@ def count_io(seqlen, headdim, *, sram_bytes=None, algorithm="flash2", seqlen_k=N
         hbm = dict(hbm_in)
         # Outputs start as NaN: an element the schedule never writes fails the check.
         hbm.update({name: np.full(shape, np.nan) for name, shape in _outputs(group, algorithm, backward).items()})
+        visible = reference.visible_mask(p.seqlen_q, p.seqlen_k, causal, window_size)
+        if block_mask is not None:  # shared by every batch element and head (else ``unchecked``)
+            visible = visible & mods.visible(block_mask.mask_mod, (1, 1, p.seqlen_q, p.seqlen_k), block_mask.mod_args)[0, 0]
         ctx = common.Context(ctx_args["softmax_scale"], visible)
     else:
         hbm = {**_input_shapes(group, algorithm, backward), **_outputs(group, algorithm, backward)}
