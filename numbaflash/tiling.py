@@ -466,7 +466,7 @@ def _wgmma_forward_plan(shape, device, tiles, aligned, packed):
     copies = ""
     if tiles is None:
         tiles = SIMULATOR_WGMMA_TILES if device.simulator else WGMMA_TILES[D]
-        if tiles.tma and packed:
+        if tiles.producer and packed:
             tiles = WGMMA_CP_ASYNC_TILES[D]
             copies = ("; packed (varlen) sequences, whose rows the bulk tensor copies' tensor maps do not locate: "
                       "v3 copies with cp.async")
@@ -476,9 +476,9 @@ def _wgmma_forward_plan(shape, device, tiles, aligned, packed):
                       "aligned, which the bulk tensor copy engine cannot read: v3 copies with cp.async")
     else:
         check_copy_engine(tiles, aligned)
-        if tiles.tma and packed:
-            raise ValueError(f"{tiles}: bulk tensor copies (tma) do not take packed (varlen) sequences, whose rows "
-                             "their tensor maps do not locate; use tiles without tma")
+        if tiles.producer and packed:
+            raise ValueError(f"{tiles}: the producer-warpgroup kernels (v4, v5) do not take packed (varlen) "
+                             "sequences: v5's tensor maps do not locate their rows; use v3's tiles (no producer)")
     smem = ((wgmma_ws_forward if tiles.producer else wgmma_forward).smem_bytes(D, tiles),)
     _check_smem("forward", smem, shape, device)
     registers = 4 * (tiles.block_m * D + tiles.block_m * tiles.block_n + 2 * tiles.block_m)

@@ -160,5 +160,6 @@ def test_bad_varlen_backward_arguments_are_refused():
         numbaflash.attention_varlen_backward(out, q, k, v, out, lse[None], *cu, 4, 5)
     with pytest.raises(ValueError, match="dout must match q"):
         numbaflash.attention_varlen_backward(out[:-1], q, k, v, out, lse, *cu, 4, 5)
-    with pytest.raises(ValueError, match="do not take packed"):
-        tiling.make_plan(2, 2, 1, 4, 5, 64, "float16", tiles=FAMILIES["wgmma v5"][1], packed=True)
+    for producer in (FAMILIES["wgmma v5"][1], tiling.WgmmaTiles(64, 16, 1, producer=True)):
+        with pytest.raises(ValueError, match="do not take packed"):
+            tiling.make_plan(2, 2, 1, 4, 5, 64, "float16", tiles=producer, packed=True)

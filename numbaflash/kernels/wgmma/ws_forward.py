@@ -31,7 +31,6 @@ from ..intrinsics import (cp_async_mbarrier_arrive, cp_async_wait_all, device_fu
                          wgmma_wait1)
 from ..fragments import fragment_writer
 from ..key_tiles import key_tiles
-from ..sequences import sequences
 from ..mods import kernel_type, modifiers
 from ..softmax import steps
 from . import tensor_maps
@@ -60,8 +59,6 @@ def smem_bytes(D, tiles):
 
 def build(D, tiles, storage, mods=NONE):
     """The kernel for padded head dim ``D`` (64 or 128), `WgmmaTiles` with a producer and float16/bfloat16."""
-    sequence = sequences(mods)
-    PACKED = mods.packed
     BLOCK_M, BLOCK_N, CONSUMERS = tiles.block_m, tiles.block_n, tiles.warpgroups
     THREADS = PRODUCER + 128 * CONSUMERS
     NT, DT, PS = BLOCK_N // 8, D // 8, BLOCK_N // 16
@@ -70,8 +67,8 @@ def build(D, tiles, storage, mods=NONE):
     K_EMPTY, V_EMPTY = BAR_AT + (1 + 2 * STAGES) * BARRIER_ELEMENTS, BAR_AT + (1 + 3 * STAGES) * BARRIER_ELEMENTS
     TILE_N = BLOCK_N * D  # elements of one K or V stage
     TMA, ATOMS = tiles.tma, D // ATOM
-    if TMA and mods.packed:  # the tensor maps address the whole packed operands, not one sequence's rows
-        raise ValueError(f"{tiles}: bulk tensor copies (tma) do not take packed (varlen) sequences")
+    if mods.packed:  # v5's tensor maps address the whole packed operands; v4, which could, runs in no plan
+        raise ValueError(f"{tiles}: the producer-warpgroup kernels do not take packed (varlen) sequences")
     FULL_ARRIVALS = 1 if TMA else PRODUCER  # one thread issues the bulk copies; every copier arrives otherwise
     stage_q, stage_kv = stager(D, BLOCK_M, PRODUCER), stager(D, BLOCK_N, PRODUCER)
     scores, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage)
@@ -153,15 +150,8 @@ def build(D, tiles, storage, mods=NONE):
     def attention_forward_wgmma_ws(q, k, v, out, lse, scale_log2, left, right, vec, maps, mod):
         # q, out: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v: (batch, seqlen_k, nheads_kv, headdim)
         # lse: (batch, nheads, seqlen_q)
-        if PACKED:  # a varlen call: the block narrows its operands to its own sequence (`kernels.sequences`)
-            q_start, q_end, k_start, k_end = sequence(mod, cuda.blockIdx.z)
-            q, out = q[:, q_start:q_end], out[:, q_start:q_end]
-            lse = lse[:, :, q_start:q_end]
-            k, v = k[:, k_start:k_end], v[:, k_start:k_end]
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
-        if PACKED and row_start < 0:  # past its sequence's query blocks: the grid covers the longest
-            return
         bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)
         tid = cuda.threadIdx.x
         if lo >= hi:  # the mask hides every key from these rows
