@@ -102,7 +102,8 @@ class WgmmaTiles:
     """Blocks of the wgmma kernels (Hopper): ``warpgroups`` warpgroups of 64 query rows each per block of
     ``block_m`` rows, ``block_n`` keys per streamed tile, K and V each in a ring of ``stages`` tiles; with
     ``producer``, one more warpgroup that only copies tiles (kernel v4, `wgmma.ws_forward`), with ``tma``
-    as bulk tensor copies (kernel v5)."""
+    as bulk tensor copies (kernel v5); with ``pingpong``, the consumer warpgroups take turns to issue
+    their products, so one's softmax runs under another's (FlashAttention-3's schedule)."""
 
     block_m: int
     block_n: int
@@ -110,6 +111,7 @@ class WgmmaTiles:
     stages: int = 2
     producer: bool = False
     tma: bool = False
+    pingpong: bool = False
 
     def __post_init__(self):
         if self.block_m != 64 * self.warpgroups:
@@ -120,6 +122,9 @@ class WgmmaTiles:
             raise ValueError(f"the wgmma forward runs a two-stage K/V ring; got {self}")
         if self.tma and not self.producer:
             raise ValueError(f"bulk tensor copies (tma) are issued by a producer warpgroup; got {self}")
+        if self.pingpong and not (self.producer and self.warpgroups >= 2):
+            raise ValueError(f"ping-pong takes turns between two or more consumer warpgroups beside a producer; "
+                             f"got {self}")
 
     @property
     def threads(self):
@@ -188,12 +193,25 @@ SIMULATOR_MMA_TILES = MmaTiles(32, 16, 1, 2)
 # - headdim 128: v3 at 128 x 64 ran 0.76-0.91x, v5 at 128 x 96 0.70-0.82x and at 128 x 80 0.60-0.70x
 #   (128 x 112 and 128 x 128 spill in v5's 168 registers). v3 stays; 128 x 80/96/112 spilled 40-184
 #   bytes in v3, and three warpgroups (192 x 64, 0.82-1.02x) 216 bytes under 168 registers.
+# This stop (NVIDIA H100, fp16, N = 2048, 8192, 16384, causal and not, batch x N = 16384, 16 heads,
+# .bench/pingpong.py and pingpong2.py) v5 at headdim 128 compiled spill-free at 128 x 128 (168 registers at
+# entry, 240 per consumer after setmaxnreg) and ran 0.82-1.08x against v3's 0.59-0.85x in the same run.
+# Ping-pong (the consumers take turns to issue their products on named barriers) ran 0.70-1.16x at
+# headdim 64 and 0.70-1.04x at 128, against 0.69-1.10x and 0.79-1.02x without, equal within the runs'
+# noise but for N = 2048 at headdim 64 (0.81x against 0.70x). At headdim 64 three consumers of 64 rows
+# (192 x 96) ran 1.09-1.21x from N = 8192 (two: 0.90-1.16x), but 0.71-0.73x at N = 2048, where
+# 192-row blocks leave a partial last block and fewer, longer waves: they run from WGMMA_LONG_SEQLEN.
+# At headdim 256, v5 at 128 x 64 ran 0.53-0.67x against mma.sync's 0.44-0.53x, but spills 4-8 bytes under
+# 240 registers; 128 x 48 is spill-free and no faster than mma.sync, which stays.
 # Inputs the copy engine cannot read (`make_plan`'s ``aligned``) run v3 with cp.async: WGMMA_CP_ASYNC_TILES.
 # Head dims up to 32 stay on mma.sync, whose 16- and 32-wide buckets pad less than wgmma's 64-wide atoms.
 # On the simulator one warpgroup and 16-key tiles, the smallest wgmma.
 WGMMA_HEADDIMS = (64, 128)
 WGMMA_MIN_HEADDIM = 33
-WGMMA_TILES = {64: WgmmaTiles(128, 128, 2, producer=True, tma=True), 128: WgmmaTiles(128, 64, 2)}
+WGMMA_TILES = {64: WgmmaTiles(128, 128, 2, producer=True, tma=True, pingpong=True),
+               128: WgmmaTiles(128, 128, 2, producer=True, tma=True, pingpong=True)}
+WGMMA_LONG_SEQLEN = 8192
+WGMMA_LONG_TILES = {64: WgmmaTiles(192, 96, 3, producer=True, tma=True, pingpong=True)}
 WGMMA_CP_ASYNC_TILES = {64: WgmmaTiles(128, 112, 2), 128: WgmmaTiles(128, 64, 2)}
 SIMULATOR_WGMMA_TILES = WgmmaTiles(64, 16, 1)
 # Tensor-core backward: square blocks, because `sim` counts one B_r = B_c for both passes (the dK/dV
@@ -308,7 +326,9 @@ class Plan:
                       "a producer warpgroup's cp.async on mbarriers" if t.producer else "every thread's cp.async")
             owner = (f"{t.warpgroups} warpgroups, each owning 64 query rows; wgmma m64n{t.block_n}k16 (S = Q K^T, "
                      f"operands in shared memory) and m64n{self.headdim_padded}k16 (O += P V, P from registers), "
-                     f"float32 accumulators; K and V in {t.stages}-stage rings filled by {copies}, 128-byte swizzle")
+                     f"float32 accumulators; K and V in {t.stages}-stage rings filled by {copies}, 128-byte swizzle"
+                     + ("; the consumer warpgroups take turns to issue their products on named barriers (ping-pong), "
+                        "so one's softmax runs under another's matmuls" if t.pingpong else ""))
         elif isinstance(t, MmaTiles):
             n = t.rows_per_warp
             rows = f"{n} keys (dK/dV) or {n} query rows (dQ)" if self.direction == "backward" else f"{n} query rows"
@@ -465,7 +485,11 @@ def _wgmma_forward_plan(shape, device, tiles, aligned, packed):
     D = next(D for D in WGMMA_HEADDIMS if shape["headdim"] <= D)
     copies = ""
     if tiles is None:
-        tiles = SIMULATOR_WGMMA_TILES if device.simulator else WGMMA_TILES[D]
+        long = shape["seqlen_q"] >= WGMMA_LONG_SEQLEN and D in WGMMA_LONG_TILES and not device.simulator
+        tiles = SIMULATOR_WGMMA_TILES if device.simulator else WGMMA_LONG_TILES[D] if long else WGMMA_TILES[D]
+        if long:
+            copies = (f"; seqlen_q {shape['seqlen_q']} >= {WGMMA_LONG_SEQLEN}: {tiles.warpgroups} consumer warpgroups "
+                      f"({tiles.block_m}-row blocks), faster on long sequences")
         if tiles.producer and packed:
             tiles = WGMMA_CP_ASYNC_TILES[D]
             copies = ("; packed (varlen) sequences, whose rows the bulk tensor copies' tensor maps do not locate: "

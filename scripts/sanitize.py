@@ -24,6 +24,7 @@ def grid():
     import numpy as np
 
     import numbaflash
+    from numbaflash import tiling
 
     rng = np.random.default_rng(0)
     # Odd lengths, GQA, a partial last tile, every mask; few head-dim buckets keep compiles few (each
@@ -39,6 +40,10 @@ def grid():
                                  ((b, nq, h, d), (b, nk, hk, d), (b, nk, hk, d), (b, nq, h, d)))
                 out, lse = numbaflash.attention(q, k, v, return_lse=True, **mask)
                 numbaflash.attention_backward(dout, q, k, v, out, lse, **mask)
+                if dtype == "float16" and d == 64 and cupy.cuda.Device().compute_capability == "90":
+                    # The three ping-pong consumers that long sequences run at headdim 64.
+                    plan = tiling.make_plan(b, h, hk, nq, nk, d, dtype, tiles=tiling.WGMMA_LONG_TILES[64])
+                    numbaflash.attention(q, k, v, plan=plan, **mask)
         # Every modification at once, the mask through a block mask (the forward's tile table) on one shape:
         # the user's functions read mod_args only at visible, in-bounds indices.
         b, nq, nk, h, hk, d = shapes[0]

@@ -52,6 +52,19 @@ def test_wgmma_forward_with_a_producer_warpgroup(case, tma, kernel, arrays, pois
     check_forward(case, with_tiles(case, tiles), *arrays)
 
 
+# One block per head: two and three consumer warpgroups are 384 and 512 simulated threads.
+PINGPONG_CASES = [(Case(1, 100, 45, 1, 1, 64, "float16", causal=True, seed=14), 2),
+                  (Case(1, 140, 40, 1, 1, 96, "bfloat16", window_size=(30, 5), seed=15), 3)]
+
+
+@pytest.mark.parametrize("case,consumers", PINGPONG_CASES)
+def test_wgmma_forward_with_ping_pong_consumers(case, consumers, arrays, poisoned):
+    """v5 whose consumer warpgroups take turns on named barriers (the first goes first, the last leaves out
+    its last arrival): rows past the sequence in the last consumer, masks, a padded head dim."""
+    tiles = WgmmaTiles(64 * consumers, 16, consumers, producer=True, tma=True, pingpong=True)
+    check_forward(case, with_tiles(case, tiles), *arrays)
+
+
 def test_inputs_the_copy_engine_cannot_read_run_with_cp_async(arrays):
     """A head dim of 36 (72-byte rows, not 16-byte aligned) in a packed qkv: v3 runs, and the plan says why."""
     to_device, to_host = arrays
@@ -71,7 +84,7 @@ def test_inputs_the_copy_engine_cannot_read_run_with_cp_async(arrays):
 @pytest.mark.parametrize("dtype,headdim,device,kernel", [
     ("float32", 64, HOPPER, "simt_forward"), ("bfloat16", 256, TURING, "simt_forward"),
     ("float64", 64, HOPPER, "simt_forward"), ("float64", 200, HOPPER, "simt_forward"),
-    ("float16", 40, AMPERE, "mma_forward"), ("bfloat16", 72, HOPPER, "wgmma_forward"),
+    ("float16", 40, AMPERE, "mma_forward"), ("bfloat16", 72, HOPPER, "wgmma_tma_forward"),
     ("float16", 48, HOPPER, "wgmma_tma_forward"),
 ])
 def test_production_tilings_on_small_shapes(dtype, headdim, device, kernel, arrays, poisoned):
@@ -162,8 +175,11 @@ def test_explain_compares_traffic_the_right_way_round():
 def test_hopper_plans_name_the_kernel_family_and_why():
     """wgmma for head dims 33-128 on compute capability 9.0; mma.sync around it, with the reason."""
     wgmma = tiling.make_plan(2, 8, 2, 4096, 4096, 128, "bfloat16", device=HOPPER)
-    assert wgmma.kernel == "wgmma_forward" and isinstance(wgmma.tiles, WgmmaTiles)
+    assert wgmma.kernel == "wgmma_tma_forward" and wgmma.tiles.pingpong and wgmma.tiles.warpgroups == 2
     assert "warpgroups" in wgmma.describe() and "wgmma" in wgmma.reason
+    # Headdim 64 takes a third consumer warpgroup from WGMMA_LONG_SEQLEN query rows on.
+    for seqlen, consumers in ((tiling.WGMMA_LONG_SEQLEN - 1, 2), (tiling.WGMMA_LONG_SEQLEN, 3)):
+        assert tiling.make_plan(1, 8, 8, seqlen, 512, 64, "float16", device=HOPPER).tiles.warpgroups == consumers
     small = tiling.make_plan(2, 8, 2, 4096, 4096, 32, "float16", device=HOPPER)
     large = tiling.make_plan(2, 8, 2, 4096, 4096, 256, "float16", device=HOPPER)
     assert small.kernel == large.kernel == "mma_forward"
@@ -175,6 +191,8 @@ def test_hopper_plans_name_the_kernel_family_and_why():
         tiling.make_plan(1, 1, 1, 64, 64, 64, "float16", backward=True, tiles=WgmmaTiles(64, 16, 1))
     with pytest.raises(ValueError, match="64 x warpgroups"):
         WgmmaTiles(128, 64, 1)
+    with pytest.raises(ValueError, match="ping-pong takes turns"):
+        WgmmaTiles(64, 64, 1, producer=True, tma=True, pingpong=True)
 
 
 @pytest.mark.gpu

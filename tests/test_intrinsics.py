@@ -3,12 +3,13 @@
 import ml_dtypes
 import numpy as np
 import pytest
-from numba import cuda, uint16
+from numba import cuda, int32, uint16
 
 from numbaflash.kernels.intrinsics import (SIMULATOR, cp_async_16, cp_async_commit, cp_async_mbarrier_arrive,
                                            cp_async_wait_all, device_function, ex2, group_max, group_sum, ldmatrix_x4,
                                            ldmatrix_x4_trans, load4, mbarrier_arrive, mbarrier_init, mbarrier_try_wait,
-                                           mma_bf16, mma_f16, pack_bf16, pack_f16, rcp)
+                                           mma_bf16, mma_f16, named_barrier_arrive, named_barrier_sync,
+                                           pack_bf16, pack_f16, rcp)
 
 HALVES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
@@ -272,3 +273,32 @@ def test_mbarrier_phase_completes_after_count_arrivals(use_cp_async, arrays):
     mbarrier_kernel[1, 64, 0, 64 * 2 + 8](to_device(src), out, flags, use_cp_async)
     np.testing.assert_array_equal(to_host(out), src.ravel())
     np.testing.assert_array_equal(to_host(flags), np.zeros(32, np.uint32))
+
+
+@cuda.jit
+def turns_kernel(log, rounds):
+    # Warps 0 and 1 take turns as the ping-pong consumers do: each waits on its own barrier (1 + warp),
+    # takes its turn and arrives on the other's; warp 1's first arrival lets warp 0 go first, and it skips
+    # its last, which no turn would wait for.
+    turn = cuda.shared.array(1, int32)
+    tid = cuda.threadIdx.x
+    warp = tid // 32
+    if tid == 0:
+        turn[0] = 0
+    cuda.syncthreads()
+    if warp == 1:
+        named_barrier_arrive(1, 64)
+    for r in range(rounds):
+        named_barrier_sync(1 + warp, 64)
+        if tid % 32 == 0:
+            log[turn[0]] = warp
+            turn[0] += 1
+        if warp == 0 or r < rounds - 1:
+            named_barrier_arrive(2 - warp, 64)
+
+
+def test_named_barriers_alternate_two_warps(arrays):
+    to_device, to_host = arrays
+    log = to_device(np.full(12, -1, np.int32))
+    turns_kernel[1, 64](log, 6)
+    np.testing.assert_array_equal(to_host(log), np.arange(12) % 2)

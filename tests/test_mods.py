@@ -117,8 +117,10 @@ def test_full_tiles_modify_every_score_without_masking(arrays, poisoned):
 GPU_FAMILIES = {
     "simt": ("float32", 64, None),
     "mma": ("float16", 64, tiling.MMA_TILES[64]),
-    "wgmma v3": ("float16", 128, tiling.WGMMA_TILES[128]),
+    "wgmma v3": ("float16", 128, tiling.WGMMA_CP_ASYNC_TILES[128]),
     "wgmma v5": ("bfloat16", 64, tiling.WGMMA_TILES[64]),
+    "wgmma v5 (d128)": ("float16", 128, tiling.WGMMA_TILES[128]),
+    "wgmma v5 (3 consumers)": ("bfloat16", 64, tiling.WGMMA_LONG_TILES[64]),
 }
 
 

@@ -11,6 +11,8 @@ import numpy as np
 
 from .exchange import exchange, group_result
 
+_registry_lock = threading.Lock()
+
 
 def _group(value, width):
     lanes, lane = exchange(value)
@@ -125,3 +127,39 @@ def ex2(x):
 def rcp(x):
     with np.errstate(divide="ignore"):
         return np.float32(np.float32(1) / np.float32(x))
+
+
+class _NamedBarrier:
+    """A hardware barrier other than syncthreads': the ``threads``-th arrival completes it and releases
+    the threads that wait (``bar.sync``); an arriving thread (``bar.arrive``) does not wait."""
+
+    def __init__(self):
+        self.arrived = 0
+        self.generation = 0
+        self.cond = threading.Condition()
+
+    def arrive(self, threads, wait):
+        with self.cond:
+            generation = self.generation
+            self.arrived += 1
+            if self.arrived == threads:
+                self.arrived = 0
+                self.generation += 1
+                self.cond.notify_all()
+            elif wait:
+                self.cond.wait_for(lambda: self.generation != generation)
+
+
+def _named_barrier(barrier):
+    manager = threading.current_thread()._manager  # one per running thread block
+    with _registry_lock:  # the block's threads find or make its barriers together
+        barriers = manager.__dict__.setdefault("_numbaflash_named_barriers", {})
+        return barriers.setdefault(int(barrier), _NamedBarrier())
+
+
+def named_barrier_sync(barrier, threads):
+    _named_barrier(barrier).arrive(int(threads), True)
+
+
+def named_barrier_arrive(barrier, threads):
+    _named_barrier(barrier).arrive(int(threads), False)

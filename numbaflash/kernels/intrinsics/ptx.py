@@ -205,3 +205,21 @@ def bits_float(typingctx, u):
         return builder.bitcast(args[0], ir.FloatType())
 
     return sig, codegen
+
+def _named_barrier(op):
+    @intrinsic
+    def barrier(typingctx, barrier, threads):
+        sig = types.void(barrier, threads)
+
+        def codegen(context, builder, signature, args):
+            operands = [context.cast(builder, v, t, types.uint32) for v, t in zip(args, signature.args)]
+            _asm(builder, [ir.IntType(32)] * 2, ir.VoidType(), f"{op} $0, $1;", "r,r,~{memory}", operands, True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return barrier
+
+# Named barriers 1-15 (0 is syncthreads'): ``threads`` (a multiple of 32) arrivals complete one.
+named_barrier_sync = _named_barrier("bar.sync")
+named_barrier_arrive = _named_barrier("bar.arrive")

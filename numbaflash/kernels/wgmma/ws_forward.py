@@ -18,7 +18,16 @@ instruction per tile, are what this structure is for. Selected with ``WgmmaTiles
 v5 (``tma=True``) is that: one producer thread issues each tile as bulk tensor copies (one per 64-column
 swizzle atom) through `tensor_maps`, delivered to the "full" mbarriers by byte count (expect-tx). At
 headdim 64 (128 x 128) it ran 0.95-1.11x SDPA flash, against v3's 0.73-0.88x, and the plans run it
-there; at headdim 128 its largest spill-free tile (128 x 96) ran 0.70-0.82x, below v3 (`tiling`).
+there. At headdim 128 it now compiles spill-free at 128 x 128 (the producer keeps 24 registers, each
+consumer gets 240) and ran 0.82-1.08x against v3's 0.59-0.85x (H100, same run), so the plans run it
+there too (`tiling`).
+
+With ``pingpong`` (FlashAttention-3's inter-warpgroup schedule) the consumers take turns: each waits on
+its named barrier before it issues a tile's two products and then arrives on the next consumer's, so
+while one runs its softmax on the CUDA cores the tensor cores work through the other's products. The
+last consumer's first arrival lets the first go; its last arrival is left out, since no turn waits for
+it (a barrier left half-arrived at exit). Every consumer of a block visits the same key tiles, so their
+turns pair up.
 """
 
 from numba import cuda, types
@@ -26,9 +35,9 @@ from numba import cuda, types
 from ...mods import NONE
 from ..blocks import TENSOR_CORE_FORWARD, query_block, write_hidden_rows
 from ..intrinsics import (cp_async_mbarrier_arrive, cp_async_wait_all, device_function, fence_proxy_async,
-                         mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_try_wait, setmaxnreg_dec,
-                         setmaxnreg_inc, shared_address, tma_load_4d, wgmma_commit, wgmma_fence, wgmma_wait0,
-                         wgmma_wait1)
+                         mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_try_wait,
+                         named_barrier_arrive, named_barrier_sync, setmaxnreg_dec, setmaxnreg_inc, shared_address,
+                         tma_load_4d, wgmma_commit, wgmma_fence, wgmma_wait0, wgmma_wait1)
 from ..fragments import fragment_writer
 from ..key_tiles import key_tiles
 from ..mods import kernel_type, modifiers
@@ -41,8 +50,14 @@ PRODUCER = 128  # threads of the producer warpgroup
 BARRIERS = 1 + 4 * STAGES  # Q full; K full, V full, K empty, V empty per stage
 BARRIER_ELEMENTS = 4  # 16-bit elements per 8-byte mbarrier
 # Registers per thread after setmaxnreg, by consumer warpgroups: the block starts with 65536 / threads
-# (168 at 384 threads, 128 at 512) and the producer's cut pays for the consumers' raise.
-REGISTERS = {1: (56, 256), 2: (56, 224), 3: (56, 152)}
+# rounded down to 8 (168 at 384 threads, 128 at 512), and the consumers' raise must not exceed what the
+# producer's cut frees, or setmaxnreg.inc waits forever. The producer issues the copies with 24.
+REGISTERS = {1: (56, 256), 2: (24, 240), 3: (56, 152)}
+for _consumers, (_low, _high) in REGISTERS.items():
+    assert _low + _consumers * _high <= (_consumers + 1) * (65536 // (128 * (_consumers + 1)) // 8 * 8), _consumers
+# Ping-pong: consumer warpgroup w waits on named barrier TURN + w before it issues a tile's products and
+# then arrives on the next one's; each barrier completes with the waiting warpgroup and the arriving one.
+TURN, TURN_THREADS = 1, 256
 
 
 def tensor_map_args(q, k, v, tiles):
@@ -66,7 +81,7 @@ def build(D, tiles, storage, mods=NONE):
     Q_FULL, K_FULL, V_FULL = BAR_AT, BAR_AT + BARRIER_ELEMENTS, BAR_AT + (1 + STAGES) * BARRIER_ELEMENTS
     K_EMPTY, V_EMPTY = BAR_AT + (1 + 2 * STAGES) * BARRIER_ELEMENTS, BAR_AT + (1 + 3 * STAGES) * BARRIER_ELEMENTS
     TILE_N = BLOCK_N * D  # elements of one K or V stage
-    TMA, ATOMS = tiles.tma, D // ATOM
+    TMA, ATOMS, PINGPONG = tiles.tma, D // ATOM, tiles.pingpong
     if mods.packed:  # v5's tensor maps address the whole packed operands; v4, which could, runs in no plan
         raise ValueError(f"{tiles}: the producer-warpgroup kernels do not take packed (varlen) sequences")
     FULL_ARRIVALS = 1 if TMA else PRODUCER  # one thread issues the bulk copies; every copier arrives otherwise
@@ -131,10 +146,24 @@ def build(D, tiles, storage, mods=NONE):
         cp_async_wait_all()  # leave only once every copy has landed
 
     @device_function
+    def my_turn(wg):
+        if PINGPONG:
+            named_barrier_sync(TURN + wg, TURN_THREADS)
+
+    @device_function
+    def next_turn(wg, it, ntiles):
+        # The last warpgroup's last arrival is left out: no turn of the first would wait for it.
+        if PINGPONG and (wg < CONSUMERS - 1 or it < ntiles - 1):
+            named_barrier_arrive(TURN + (wg + 1) % CONSUMERS, TURN_THREADS)
+
+    @device_function
     def take(smem, base, full, it):
-        # Tile `it` of a ring has landed; make the copies visible to wgmma's reads.
+        # Tile `it` of a ring has landed. cp.async writes through the generic proxy, so its tiles need a proxy
+        # fence before wgmma reads them; bulk tensor copies write through the async proxy, which wgmma reads
+        # through, so the mbarrier's completion orders them (the fence cost a MEMBAR.ALL.CTA per take).
         wait(smem, base + full + (it % STAGES) * BARRIER_ELEMENTS, (it // STAGES) & 1)
-        fence_proxy_async()
+        if not TMA:
+            fence_proxy_async()
 
     @device_function
     def release(smem, base, empty, it):
@@ -197,12 +226,17 @@ def build(D, tiles, storage, mods=NONE):
             start(acc, m_i, l_i)
             warp_row = row_start + wg * 64 + warp * 16
 
+            if PINGPONG and wg == CONSUMERS - 1:  # the first warpgroup takes the first turn
+                named_barrier_arrive(TURN, TURN_THREADS)
+
             # The first tile: its scores alone (no P V yet), then its softmax.
             wait(smem, base + Q_FULL, 0)
             take(smem, base, K_FULL, 0)
+            my_turn(wg)
             wgmma_fence()
             scores(s, smem, q_desc, k_desc)
             wgmma_commit()
+            next_turn(wg, 0, ntiles)
             wgmma_wait0()
             release(smem, base, K_EMPTY, 0)
             softmax_scores(s, m_i, l_i, alpha, b, h, warp_row, g, t, tile_start(mod, b, h, row_start, n_base, 0), row_start,
@@ -215,11 +249,13 @@ def build(D, tiles, storage, mods=NONE):
                 n_start = tile_start(mod, b, h, row_start, n_base, it)
                 take(smem, base, K_FULL, it)
                 take(smem, base, V_FULL, it - 1)
+                my_turn(wg)
                 wgmma_fence()  # S, P and O were last written by ordinary instructions
                 scores(s, smem, q_desc, advance(k_desc, 2 * (it % STAGES) * TILE_N))
                 wgmma_commit()
                 accumulate(acc, p, smem, advance(v_desc, 2 * ((it - 1) % STAGES) * TILE_N))
                 wgmma_commit()
+                next_turn(wg, it, ntiles)
                 wgmma_wait1()  # S_it is done; P_{it-1} V_{it-1} may still run under the softmax below
                 release(smem, base, K_EMPTY, it)
                 softmax_scores(s, m_i, l_i, alpha, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q,
