@@ -16,7 +16,7 @@ from .kernels import compiled
 from .kernels import mods as kernel_mods
 from .kernels.mma import backward as mma_backward, forward as mma_forward
 from .kernels.simt import backward as simt_backward, forward as simt_forward
-from .kernels.wgmma import forward as wgmma_forward, ws_forward as wgmma_ws_forward
+from .kernels.wgmma import backward as wgmma_backward, forward as wgmma_forward, ws_forward as wgmma_ws_forward
 from .kernels.elements import STORAGE
 from .kernels.intrinsics import SIMULATOR
 
@@ -272,6 +272,8 @@ BUILDERS = {
     "simt_backward_dq": simt_backward.build_dq,
     "mma_backward_dkdv": mma_backward.build_dkdv,
     "mma_backward_dq": mma_backward.build_dq,
+    "wgmma_backward_dkdv": wgmma_backward.build_dkdv,
+    "wgmma_backward_dq": wgmma_backward.build_dq,
 }
 
 

@@ -214,6 +214,15 @@ WGMMA_LONG_SEQLEN = 8192
 WGMMA_LONG_TILES = {64: WgmmaTiles(192, 96, 3, producer=True, tma=True, pingpong=True)}
 WGMMA_CP_ASYNC_TILES = {64: WgmmaTiles(128, 112, 2), 128: WgmmaTiles(128, 64, 2)}
 SIMULATOR_WGMMA_TILES = WgmmaTiles(64, 16, 1)
+# wgmma backward (compute capability 9.0), a ladder step no plan picks yet: square blocks as the mma.sync
+# backward's (`sim` counts one B_r = B_c), one warpgroup, because a warpgroup's 64 x D dK and dV beside its
+# 64 x 64 S and dP take 192 float32 registers per thread at headdim 128. On the H100 (fp16, N = 2048 and
+# 8192, causal and not, .bench/wgbwd.py) it ran 0.42-0.52x SDPA flash's backward against mma.sync's
+# 0.52-0.59x in the same run: 255 registers with 16 bytes of local memory in dK/dV, one warpgroup per
+# block and cp.async with a block barrier per tile leave the tensor cores idle while a warpgroup forms
+# P and dS. FlashAttention-3's answers (a producer warpgroup with bulk copies, two consumer warpgroups,
+# dQ accumulated once instead of recomputing S and dP in a second kernel) are the next steps.
+WGMMA_BACKWARD_TILES = {64: WgmmaTiles(64, 64, 1), 128: WgmmaTiles(64, 64, 1)}
 # Tensor-core backward: square blocks, because `sim` counts one B_r = B_c for both passes (the dK/dV
 # kernel owns block_m keys and streams block_n queries; the dQ kernel the reverse). Up to headdim 64,
 # 4 warps of 2 m-tiles (H200, fp16, N = 2048 to 16384, causal and not: 0.54-0.65x SDPA flash, against
@@ -321,7 +330,12 @@ class Plan:
     def describe(self):
         t = self.tiles
         padded = f" padded to {self.headdim_padded}" if self.headdim_padded != self.headdim else ""
-        if isinstance(t, WgmmaTiles):
+        if isinstance(t, WgmmaTiles) and self.direction == "backward":
+            owner = (f"{t.warpgroups} warpgroup(s), each owning 64 keys (dK/dV) or 64 query rows (dQ); wgmma "
+                     f"m64n{t.block_n}k16 (S and dP, operands in shared memory) and m64n{self.headdim_padded}k16 "
+                     "(dV, dK, dQ, P and dS from registers), float32 accumulators; streamed tiles in two stages filled "
+                     "by every thread's cp.async, 128-byte swizzle")
+        elif isinstance(t, WgmmaTiles):
             copies = ("a producer warpgroup's bulk tensor copies (TMA) on mbarriers" if t.tma else
                       "a producer warpgroup's cp.async on mbarriers" if t.producer else "every thread's cp.async")
             owner = (f"{t.warpgroups} warpgroups, each owning 64 query rows; wgmma m64n{t.block_n}k16 (S = Q K^T, "
@@ -378,10 +392,12 @@ def _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, bac
 
     shape = dict(batch=batch, nheads=nheads, nheads_kv=nheads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                  headdim=headdim, dtype=dtype)
-    if isinstance(tiles, WgmmaTiles) and (backward or headdim > WGMMA_HEADDIMS[-1] or dtype not in ("float16", "bfloat16")):
-        raise ValueError(f"wgmma tiles run the float16/bfloat16 forward with headdim <= {WGMMA_HEADDIMS[-1]}; "
-                         f"got {dtype}, headdim {headdim}, {'backward' if backward else 'forward'}")
+    if isinstance(tiles, WgmmaTiles) and (headdim > WGMMA_HEADDIMS[-1] or dtype not in ("float16", "bfloat16")):
+        raise ValueError(f"wgmma tiles run float16/bfloat16 with headdim <= {WGMMA_HEADDIMS[-1]}; "
+                         f"got {dtype}, headdim {headdim}")
     if uses_tensor_cores(dtype, device) and (tiles is None or isinstance(tiles, (MmaTiles, WgmmaTiles))):
+        if backward and isinstance(tiles, WgmmaTiles):
+            return _wgmma_backward_plan(shape, device, tiles, packed)
         if not backward and (isinstance(tiles, WgmmaTiles) or (tiles is None and uses_wgmma(dtype, device, headdim))):
             return _wgmma_forward_plan(shape, device, tiles, aligned, packed)
         if not backward:
@@ -513,10 +529,30 @@ def _wgmma_forward_plan(shape, device, tiles, aligned, packed):
     return _plan(tiles.kernel, reason, shape, device, D, tiles, smem, registers)
 
 
+def _wgmma_backward_plan(shape, device, tiles, packed):
+    """The wgmma backward's plan: a ladder step that runs when its tiles are asked for (`WGMMA_BACKWARD_TILES`)."""
+    from .kernels.wgmma import backward as wgmma_backward
+
+    if packed:
+        raise ValueError(f"{tiles}: the wgmma backward does not take packed (varlen) sequences; use mma.sync's tiles")
+    if tiles.producer or tiles.block_m != tiles.block_n:
+        raise ValueError(f"the wgmma backward takes square tiles (block_m = block_n) without a producer; got {tiles}")
+    D = next(D for D in WGMMA_HEADDIMS if shape["headdim"] <= D)
+    smem = (wgmma_backward.smem_bytes_dkdv(D, tiles), wgmma_backward.smem_bytes_dq(D, tiles))
+    _check_smem("backward", smem, shape, device)
+    registers = 4 * (2 * tiles.block_m * D + 2 * tiles.block_m * tiles.block_n)  # dK and dV, S and dP
+    where = ("the CUDA simulator, whose wgmma and cp.async are emulations" if device.simulator
+             else f"compute capability 9.0 ({device.name})")
+    reason = (f"{shape['dtype']} on {where}: warpgroup tensor cores (wgmma), float32 accumulation; head dims padded "
+              f"to 64 or 128; D = rowsum(dO * O) on the CUDA cores")
+    return _plan("wgmma_backward", reason, shape, device, D, tiles, smem, registers)
+
+
 def _mma_backward_plan(shape, device, tiles):
     from .kernels.mma import backward as mma_backward
 
     D = mma_headdim_bucket(shape["headdim"])
+    planned = tiles is None
     tiles = tiles or (SIMULATOR_MMA_BACKWARD_TILES if device.simulator else MMA_BACKWARD_TILES[D])
     if tiles.block_m != tiles.block_n:
         raise ValueError(f"the tensor-core backward takes square tiles (block_m = block_n); got {tiles}")
@@ -525,5 +561,7 @@ def _mma_backward_plan(shape, device, tiles):
     chunk = mma_backward.chunk(tiles)
     registers = 4 * (2 * tiles.block_m * D + 2 * tiles.block_m * chunk)  # dK and dV fragments, S and dP of a chunk
     reason = (f"{shape['dtype']} on {_mma_where(device)}: tensor cores, float32 accumulation; head dims padded to "
-              f"16, 32, 64 or 128; score tiles in chunks of {chunk} columns; D = rowsum(dO * O) on the CUDA cores")
+              f"16, 32, 64 or 128; score tiles in chunks of {chunk} columns; D = rowsum(dO * O) on the CUDA cores"
+              + ("; the wgmma backward (WGMMA_BACKWARD_TILES) ran slower on the H100 (0.42-0.52x SDPA flash against "
+                 "0.52-0.59x)" if device.compute_capability == (9, 0) and planned else ""))
     return _plan("mma_backward", reason, shape, device, D, tiles, smem, registers)

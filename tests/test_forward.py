@@ -188,7 +188,7 @@ def test_hopper_plans_name_the_kernel_family_and_why():
     counted = sim.count_io(300, 128, plan=tiling.make_plan(1, 1, 1, 300, 300, 128, "float16", device=HOPPER), causal=True)
     assert counted.total == counted.predicted["total"]  # sim counts the wgmma schedule as it runs
     with pytest.raises(ValueError, match="wgmma tiles run"):
-        tiling.make_plan(1, 1, 1, 64, 64, 64, "float16", backward=True, tiles=WgmmaTiles(64, 16, 1))
+        tiling.make_plan(1, 1, 1, 64, 64, 64, "float32", tiles=WgmmaTiles(64, 16, 1))
     with pytest.raises(ValueError, match="64 x warpgroups"):
         WgmmaTiles(128, 64, 1)
     with pytest.raises(ValueError, match="ping-pong takes turns"):

@@ -8,7 +8,7 @@ block index):
 
 * `query_block`: a block of query rows and the keys at least one of them sees.
 * `key_block`: a block of keys and the query rows that see at least one of them.
-* `TENSOR_CORE_FORWARD`: the launch signature the tensor-core forward kernels share.
+* `TENSOR_CORE_FORWARD`, `tensor_core_backward`: the launch signatures the tensor-core kernels share.
 * `write_hidden_rows`: what a forward block writes for query rows whose every key the mask hides (by
   flash-attn's convention out = 0 and LSE = -inf; such a block loads nothing).
 """
@@ -19,12 +19,21 @@ from numba import types
 
 from .. import masks
 from .intrinsics import device_function
+from .mods import kernel_type
 
 _BITS = types.Array(types.uint16, 4, "A")
 # The signature of both tensor-core forwards: q, k, v, out as 16-bit words; lse; softmax_scale * log2(e);
 # the window's left and right; whether tiles are staged in vectors.
 TENSOR_CORE_FORWARD = (_BITS, _BITS, _BITS, _BITS, types.Array(types.float32, 3, "A"), types.float32, types.int64,
                        types.int64, types.boolean)
+
+
+def tensor_core_backward(n_outputs, mods):
+    """The signature of the tensor-core backward kernels: q, k, v, dout as 16-bit words; lse and delta;
+    ``n_outputs`` gradients; then as the forward's, with the modifications' values last."""
+    stat = types.Array(types.float32, 3, "A")
+    return ((_BITS,) * 4 + (stat, stat) + (_BITS,) * n_outputs
+            + (types.float32, types.int64, types.int64, types.boolean, kernel_type(mods, types.float32)))
 
 
 @device_function

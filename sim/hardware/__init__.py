@@ -185,6 +185,7 @@ def predict(plan, *, causal=False, window_size=(-1, -1), operands=None, gpu=None
 WALKS = {"simt_forward": "forward", "mma_forward": "forward", "wgmma_forward": "forward",
          "wgmma_ws_forward": "forward", "wgmma_tma_forward": "forward",
          "simt_backward_preprocess": "simt_backward_preprocess",
-         "simt_backward_dkdv": "dkdv", "mma_backward_dkdv": "dkdv", "simt_backward_dq": "dq", "mma_backward_dq": "dq"}
+         "simt_backward_dkdv": "dkdv", "mma_backward_dkdv": "dkdv", "wgmma_backward_dkdv": "dkdv",
+         "simt_backward_dq": "dq", "mma_backward_dq": "dq", "wgmma_backward_dq": "dq"}
 
 __all__ = ["Gpu", "H100", "HardwarePrediction", "KernelTraffic", "Operand", "predict", "tile_visits", "visible_scores"]

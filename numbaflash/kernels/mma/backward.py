@@ -25,10 +25,11 @@ from numba import cuda, types
 
 from ... import masks
 from ...mods import NONE
-from ..blocks import key_block, query_block
-from ..intrinsics import cp_async_commit, cp_async_wait_all, cp_async_wait_one, device_function, ex2
+from ..blocks import key_block, query_block, tensor_core_backward
+from ..gradients import row_steps, stats_stager, transposed_steps
+from ..intrinsics import cp_async_commit, cp_async_wait_all, cp_async_wait_one
 from ..fragments import fill, fragment_writer, lane_row
-from ..mods import kernel_type, modifiers
+from ..mods import modifiers
 from ..sequences import sequences
 from .tiles import lane_offsets, products, row_stride, stager
 from ..simt.backward import row_statistics
@@ -71,20 +72,6 @@ def smem_elements_dq(D, tiles):
     return layout_dq(D, tiles)[-1]
 
 
-def guarded(mods):
-    """Whether a score must pass the bounds and visibility checks before the modifications see it: the user's
-    functions read mod_args at in-bounds visible indices only; softcap and ALiBi are safe on any score, rows
-    past the sequence included (their P is 0), and pay no branch per score."""
-    return bool(mods.user_functions)
-
-
-def _signature(n_outputs, mods):
-    bits = types.Array(types.uint16, 4, "A")
-    stat = types.Array(types.float32, 3, "A")
-    return ((bits,) * 4 + (stat, stat) + (bits,) * n_outputs
-            + (types.float32, types.int64, types.int64, types.boolean, kernel_type(mods, types.float32)))
-
-
 def build_dkdv(D, tiles, storage, mods=NONE):
     sequence = sequences(mods)
     PACKED = mods.packed
@@ -92,34 +79,17 @@ def build_dkdv(D, tiles, storage, mods=NONE):
     ROWS = 16 * M  # keys per warp, of the block's BLOCK_M; BLOCK_N queries per streamed tile
     THREADS, LD, CHUNK = 32 * WARPS, row_stride(D), chunk(tiles)
     STATS = 2 * BLOCK_N  # LSE and D of a query tile, staged by threads tid, tid + THREADS, ...
-    PER_THREAD = -(-STATS // THREADS)
+    load_stats, store_stats, PER_THREAD = stats_stager(BLOCK_N, THREADS)
     STATS_AT, K_AT, V_AT, Q_AT, DO_AT, END = layout_dkdv(D, tiles)
     NT, DT = CHUNK // 8, D // 8
-    M_NT, M_DT, M_ROWS = M * NT, M * DT, 2 * M  # fragment rows of S and dK; a lane's keys (g, g + 8 per m-tile)
+    M_NT, M_DT = M * NT, M * DT  # fragment rows of S and dK
     stage = stager(D, THREADS)
     scores, accumulate = products(CHUNK, D, storage, M)
     write_grad = fragment_writer(D, storage)
-    statistics = row_statistics(types.float32)
-    MODIFIED, MASKED, prepare, _, logit2, visible, natural = modifiers(mods, types.float32, fast=True)
-    GUARDED = guarded(mods)
+    modifier = modifiers(mods, types.float32, fast=True)
+    prepare, natural = modifier.prepare, modifier.natural
+    probabilities, ds = transposed_steps(M, NT, mods)
     ZERO, ONE = types.float32(0), types.float32(1)
-
-    @device_function
-    def load_stats(regs, lse, delta, b, h, q0, tid):
-        """This thread's share of the statistics of query rows q0 ..: regs[j] is entry tid + j THREADS of
-        (LSE of rows 0 .. BLOCK_N - 1, then their D)."""
-        for j in range(PER_THREAD):
-            i = tid + j * THREADS
-            if i < STATS:
-                lse2, dsum = statistics(lse, delta, b, h, q0 + i % BLOCK_N)
-                regs[j] = lse2 if i < BLOCK_N else dsum
-
-    @device_function
-    def store_stats(stats, at, regs, tid):
-        """`load_stats`'s share into the stage of ``stats`` that starts at ``at``."""
-        for j in range(PER_THREAD):
-            if tid + j * THREADS < STATS:
-                stats[at + tid + j * THREADS] = regs[j]
 
     def attention_backward_dkdv_mma(q, k, v, dout, lse, delta, dk, dv, scale_log2, left, right, vec, mod):
         # q, dout: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v, dk, dv: (batch, seqlen_k, nheads_kv,
@@ -191,41 +161,11 @@ def build_dkdv(D, tiles, storage, mods=NONE):
                     c_start = q_start + c0
                     if c_start < q_hi and c_start + CHUNK > q_lo:  # block-uniform: the chunk meets a visible row
                         scores(s, frag, smem, k_at, Q_AT + at + c0 * LD + b_off)
-                        full = masks.tile_is_full(c_start, min(c_start + CHUNK, seqlen_q), key_start,
-                                                  key_start + BLOCK_M, seqlen_q, seqlen_k, left, right)
-                        # ALiBi's distance of the lane's first query and its row-g key of the warp's first m-tile
-                        distance = types.float32(q_start + c0 + 2 * t + seqlen_k - seqlen_q - warp_key - g)
-                        for j in range(NT):
-                            for e in range(2):
-                                col = c0 + 8 * j + 2 * t + e
-                                row = q_start + col
-                                lo_q, hi_q = 0, seqlen_k  # a full chunk: every key visible, no bounds to compute
-                                if not full:
-                                    lo_q, hi_q = masks.key_range(row, seqlen_q, seqlen_k, left, right)
-                                for r in range(M_ROWS):
-                                    mi, half = r // 2, r % 2
-                                    key = warp_key + lane_row(r, g)
-                                    p, grad = ZERO, ZERO
-                                    if key >= lo_q and key < hi_q and (not GUARDED or (
-                                            row < seqlen_q and visible(b, h, row, key, bh))):
-                                        x, grad = logit2(s[mi * NT + j, 2 * half + e] * scale_log2, b, h, row, key,
-                                                         abs(distance + types.float32(8 * j + e - lane_row(r, 0))),
-                                                         bh)
-                                        p = ex2(x - stats[st + col])
-                                    s[mi * NT + j, 2 * half + e] = p
-                                    if MODIFIED:
-                                        dlogit[mi * NT + j, 2 * half + e] = grad
+                        probabilities(s, dlogit, stats, st + c0, c_start, warp_key, key_start, key_start + BLOCK_M, g,
+                                      t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh)
                         accumulate(dv_acc, s, frag, smem, DO_AT + at + c0 * LD + t_off)  # dV += P^T dO
                         scores(dp, frag, smem, v_at, DO_AT + at + c0 * LD + b_off)
-                        for j in range(NT):
-                            for e in range(2):
-                                dsum = stats[st + BLOCK_N + c0 + 8 * j + 2 * t + e]
-                                for mi in range(M):
-                                    for half in range(2):
-                                        x = mi * NT + j
-                                        dp[x, 2 * half + e] = s[x, 2 * half + e] * (dp[x, 2 * half + e] - dsum)
-                                        if MODIFIED:
-                                            dp[x, 2 * half + e] *= dlogit[x, 2 * half + e]
+                        ds(s, dp, dlogit, stats, st + BLOCK_N + c0, t)
                         accumulate(dk_acc, dp, frag, smem, Q_AT + at + c0 * LD + t_off)  # dK += dS^T Q
                 if it + 1 < ntiles:
                     store_stats(stats, STATS - st, next_stat, tid)
@@ -238,7 +178,7 @@ def build_dkdv(D, tiles, storage, mods=NONE):
             write_grad(dk, b, warp_key + 16 * mi, hk, dk_acc, mi, scale, scale, g, t)
             write_grad(dv, b, warp_key + 16 * mi, hk, dv_acc, mi, ONE, ONE, g, t)
 
-    return attention_backward_dkdv_mma, _signature(2, mods)
+    return attention_backward_dkdv_mma, tensor_core_backward(2, mods)
 
 
 def build_dq(D, tiles, storage, mods=NONE):
@@ -254,8 +194,9 @@ def build_dq(D, tiles, storage, mods=NONE):
     scores, accumulate = products(CHUNK, D, storage, M)
     write_grad = fragment_writer(D, storage)
     statistics = row_statistics(types.float32)
-    MODIFIED, MASKED, prepare, _, logit2, visible, natural = modifiers(mods, types.float32, fast=True)
-    GUARDED = guarded(mods)
+    modifier = modifiers(mods, types.float32, fast=True)
+    prepare, natural = modifier.prepare, modifier.natural
+    ds = row_steps(M, NT, mods)
     ZERO = types.float32(0)
 
     def attention_backward_dq_mma(q, k, v, dout, lse, delta, dq, scale_log2, left, right, vec, mod):
@@ -324,21 +265,8 @@ def build_dq(D, tiles, storage, mods=NONE):
                         scores(dp, frag, smem, do_at, V_AT + at + c0 * LD + b_off)
                         full = masks.tile_is_full(row_start, row_end, c_start, c_start + CHUNK, seqlen_q, seqlen_k,
                                                   left, right)
-                        for r in range(M_ROWS):
-                            mi, half = r // 2, r % 2
-                            row = warp_row + lane_row(r, g)
-                            distance = types.float32(row + seqlen_k - seqlen_q - c_start - 2 * t)  # ALiBi's, first key
-                            for j in range(NT):
-                                for e in range(2):
-                                    key = c_start + 8 * j + 2 * t + e
-                                    x = mi * NT + j
-                                    ds = ZERO
-                                    if (full or (key >= lo_r[r] and key < hi_r[r])) and (not GUARDED or (
-                                            row < seqlen_q and visible(b, h, row, key, bh))):
-                                        x2, grad = logit2(s[x, 2 * half + e] * scale_log2, b, h, row, key,
-                                                          abs(distance - types.float32(8 * j + e)), bh)
-                                        ds = ex2(x2 - lse2[r]) * (dp[x, 2 * half + e] - dsum[r]) * grad
-                                    dp[x, 2 * half + e] = ds
+                        ds(s, dp, lse2, dsum, lo_r, hi_r, full, warp_row, c_start, g, t, seqlen_q, seqlen_k,
+                           scale_log2, b, h, bh)
                         accumulate(dq_acc, dp, frag, smem, K_AT + at + c0 * LD + t_off)  # dQ += dS K
                 cuda.syncthreads()  # this stage is free for the copies issued at the top of the next iteration
 
@@ -348,4 +276,4 @@ def build_dq(D, tiles, storage, mods=NONE):
         for mi in range(M):
             write_grad(dq, b, warp_row + 16 * mi, h, dq_acc, mi, scale, scale, g, t)
 
-    return attention_backward_dq_mma, _signature(1, mods)
+    return attention_backward_dq_mma, tensor_core_backward(1, mods)

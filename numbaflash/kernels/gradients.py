@@ -1,0 +1,138 @@
+"""The backward's named steps on tensor-core score fragments, shared by the mma.sync and wgmma backwards.
+
+Both families hold a warp's score tile in the accumulator layout (`fragments`): ``M`` m-tiles of 16 rows,
+``NT`` 8-column chunks, lane ``4 g + t`` at rows ``g``, ``g + 8`` and columns ``8 j + 2 t``, ``+ 1``. The
+dK/dV kernels compute the transposed tiles (rows are keys, columns query rows), the dQ kernels the
+plain ones (rows are query rows, columns keys). The steps, after the score products:
+
+* `transposed_steps` -> ``probabilities(s, dlogit, stats, lse_at, q_start, warp_key, key_start, key_end, ...)``:
+  S^T of query rows ``q_start ..`` becomes P^T = exp2(logit(S^T) - LSE) in place, 0 where the mask hides
+  the score, and with score modifications ``dlogit`` the modification's derivative; the LSE of column
+  ``c`` is ``stats[lse_at + c]``. ``ds(s, dp, dlogit, stats, delta_at, t)``: dP^T becomes dS^T =
+  P^T (dP^T - D) (times ``dlogit``), D of column ``c`` at ``stats[delta_at + c]``.
+* `row_steps` -> ``ds(s, dp, lse2, dsum, lo_r, hi_r, full, ...)``: S and dP of a row tile become dS in
+  ``dp``, with each row's base-2 LSE, D and visible key range in registers.
+* `stats_stager` -> ``(load, store, per_thread)``: a query tile's LSE and D, loaded to registers early
+  (their latency hides behind the tile's products) and stored to shared memory after.
+
+Every step works in base 2 (``scale_log2``); the kernels scale dK and dQ by ln 2 at the end
+(`mods`' ``natural``).
+"""
+
+from numba import types
+
+from .. import masks
+from ..mods import NONE
+from .fragments import lane_row
+from .intrinsics import device_function, ex2
+from .mods import modifiers
+from .simt.backward import row_statistics
+
+ZERO = types.float32(0)
+
+
+def guarded(mods):
+    """Whether a score must pass the bounds and visibility checks before the modifications see it: the user's
+    functions read mod_args at in-bounds visible indices only; softcap and ALiBi are safe on any score, rows
+    past the sequence included (their P is 0), and pay no branch per score."""
+    return bool(mods.user_functions)
+
+
+def transposed_steps(M, NT, mods=NONE):
+    """``(probabilities, ds)`` for transposed tiles of ``M`` m-tiles of 16 keys and ``8 NT`` query columns."""
+    M_ROWS = 2 * M
+    MODIFIED, MASKED, prepare, _, logit2, visible, natural = modifiers(mods, types.float32, fast=True)
+    GUARDED = guarded(mods)
+
+    @device_function
+    def probabilities(s, dlogit, stats, lse_at, q_start, warp_key, key_start, key_end, g, t, seqlen_q, seqlen_k,
+                      left, right, scale_log2, b, h, bh):
+        full = masks.tile_is_full(q_start, min(q_start + 8 * NT, seqlen_q), key_start, key_end, seqlen_q, seqlen_k,
+                                  left, right)
+        # ALiBi's distance of the lane's first query and its row-g key of the warp's first m-tile
+        distance = types.float32(q_start + 2 * t + seqlen_k - seqlen_q - warp_key - g)
+        for j in range(NT):
+            for e in range(2):
+                col = 8 * j + 2 * t + e
+                row = q_start + col
+                lo_q, hi_q = 0, seqlen_k  # a full tile: every key visible, no bounds to compute
+                if not full:
+                    lo_q, hi_q = masks.key_range(row, seqlen_q, seqlen_k, left, right)
+                for r in range(M_ROWS):
+                    mi, half = r // 2, r % 2
+                    key = warp_key + lane_row(r, g)
+                    p, grad = ZERO, ZERO
+                    if key >= lo_q and key < hi_q and (not GUARDED or (row < seqlen_q and visible(b, h, row, key, bh))):
+                        x, grad = logit2(s[mi * NT + j, 2 * half + e] * scale_log2, b, h, row, key,
+                                         abs(distance + types.float32(8 * j + e - lane_row(r, 0))), bh)
+                        p = ex2(x - stats[lse_at + col])
+                    s[mi * NT + j, 2 * half + e] = p
+                    if MODIFIED:
+                        dlogit[mi * NT + j, 2 * half + e] = grad
+
+    @device_function
+    def ds(s, dp, dlogit, stats, delta_at, t):
+        for j in range(NT):
+            for e in range(2):
+                dsum = stats[delta_at + 8 * j + 2 * t + e]
+                for mi in range(M):
+                    for half in range(2):
+                        x = mi * NT + j
+                        dp[x, 2 * half + e] = s[x, 2 * half + e] * (dp[x, 2 * half + e] - dsum)
+                        if MODIFIED:
+                            dp[x, 2 * half + e] *= dlogit[x, 2 * half + e]
+
+    return probabilities, ds
+
+
+def row_steps(M, NT, mods=NONE):
+    """``ds`` for row tiles of ``M`` m-tiles of 16 query rows and ``8 NT`` key columns."""
+    M_ROWS = 2 * M
+    _, _, _, _, logit2, visible, _ = modifiers(mods, types.float32, fast=True)
+    GUARDED = guarded(mods)
+
+    @device_function
+    def ds(s, dp, lse2, dsum, lo_r, hi_r, full, warp_row, n_start, g, t, seqlen_q, seqlen_k, scale_log2, b, h, bh):
+        for r in range(M_ROWS):
+            mi, half = r // 2, r % 2
+            row = warp_row + lane_row(r, g)
+            distance = types.float32(row + seqlen_k - seqlen_q - n_start - 2 * t)  # ALiBi's, first key
+            for j in range(NT):
+                for e in range(2):
+                    key = n_start + 8 * j + 2 * t + e
+                    x = mi * NT + j
+                    d = ZERO
+                    if (full or (key >= lo_r[r] and key < hi_r[r])) and (not GUARDED or (
+                            row < seqlen_q and visible(b, h, row, key, bh))):
+                        x2, grad = logit2(s[x, 2 * half + e] * scale_log2, b, h, row, key,
+                                          abs(distance - types.float32(8 * j + e)), bh)
+                        d = ex2(x2 - lse2[r]) * (dp[x, 2 * half + e] - dsum[r]) * grad
+                    dp[x, 2 * half + e] = d
+
+    return ds
+
+
+def stats_stager(ROWS, THREADS):
+    """``(load, store, per_thread)`` for the LSE and D of ``ROWS`` query rows, shared by ``THREADS`` threads:
+    ``load(regs, lse, delta, b, h, q0, tid)`` puts this thread's entries (tid, tid + THREADS, .. of LSE of
+    rows q0 .. q0 + ROWS - 1, then their D) in ``regs`` (``per_thread`` of them); ``store(stats, at, regs,
+    tid)`` writes them from ``at`` on."""
+    STATS = 2 * ROWS
+    PER_THREAD = -(-STATS // THREADS)
+    statistics = row_statistics(types.float32)
+
+    @device_function
+    def load(regs, lse, delta, b, h, q0, tid):
+        for j in range(PER_THREAD):
+            i = tid + j * THREADS
+            if i < STATS:
+                lse2, dsum = statistics(lse, delta, b, h, q0 + i % ROWS)
+                regs[j] = lse2 if i < ROWS else dsum
+
+    @device_function
+    def store(stats, at, regs, tid):
+        for j in range(PER_THREAD):
+            if tid + j * THREADS < STATS:
+                stats[at + tid + j * THREADS] = regs[j]
+
+    return load, store, PER_THREAD

@@ -1,0 +1,277 @@
+"""Kernel v3 backward: FlashAttention-2's gradients on Hopper's warpgroup tensor cores (wgmma).
+
+The schedule of the mma.sync backward (`mma.backward`), deterministic, with no atomics: D =
+rowsum(dO * O) by the shared preprocess kernel, then two kernels whose products are wgmma reading
+their operands from swizzled shared memory (`wgmma.tiles`), with P and dS from registers:
+
+* ``dkdv``: one block per (key block, kv head, batch element); each warpgroup owns 64 keys. K and V
+  stay in shared memory while query tiles (Q, dO, and the rows' LSE and D) stream past, double-buffered
+  with cp.async, for every query head of the GQA group in a fixed order. Per tile a warpgroup issues
+  S^T = K Q^T and dP^T = V dO^T together; once S^T is done it forms P^T (`gradients`) while dP^T
+  runs, issues dV += P^T dO, forms dS^T = P^T (dP^T - D) while that runs, and issues dK += dS^T Q.
+  The same Q and dO tiles are the K-major B of the first two products and the MN-major B of the last
+  two: only their descriptors differ.
+* ``dq``: one block per (query block, head, batch element); each warpgroup owns 64 query rows, whose
+  LSE and D sit in registers; K and V tiles stream past: S = Q K^T and dP = dO V^T, dS, dQ += dS K.
+
+A warpgroup keeps its 64 x D dK and dV (or dQ) accumulators for the whole kernel, beside the 64 x
+BLOCK_N S and dP: at headdim 128 that is 192 float32 registers per thread, so blocks are one warpgroup
+of 64 keys (or rows) and 64-wide streamed tiles, two blocks per multiprocessor.
+"""
+
+from numba import cuda, types
+
+from ... import masks
+from ...mods import NONE
+from ..blocks import key_block, query_block, tensor_core_backward
+from ..fragments import fill, fragment_writer, lane_row
+from ..gradients import row_steps, stats_stager, transposed_steps
+from ..intrinsics import (cp_async_commit, cp_async_wait_all, cp_async_wait_one, device_function, fence_proxy_async,
+                         shared_address, wgmma_commit, wgmma_fence, wgmma_wait0, wgmma_wait1)
+from ..mods import modifiers
+from ..simt.backward import row_statistics
+from .tiles import ALIGN, ATOM, ATOM_ROWS, advance, aligned_base, descriptor, pack_p, products, stager
+
+PERIOD = ATOM_ROWS * ATOM * 2  # bytes between 8-row groups of a swizzled tile
+
+
+def layout_dkdv(D, tiles):
+    """Element offsets from the aligned base: K and V (block_m rows), Q and dO (two stages of block_n rows),
+    then two stages of the query tile's LSE and D (float32), and the end."""
+    sizes = (tiles.block_m * D, tiles.block_m * D, 2 * tiles.block_n * D, 2 * tiles.block_n * D,
+             2 * 2 * tiles.block_n * 2)
+    return tuple(sum(sizes[:i]) for i in range(len(sizes) + 1))
+
+
+def layout_dq(D, tiles):
+    """Element offsets from the aligned base: Q and dO (block_m rows), K and V (two stages of block_n rows)."""
+    sizes = (tiles.block_m * D, tiles.block_m * D, 2 * tiles.block_n * D, 2 * tiles.block_n * D)
+    return tuple(sum(sizes[:i]) for i in range(len(sizes) + 1))
+
+
+def smem_bytes_dkdv(D, tiles):
+    return 2 * layout_dkdv(D, tiles)[-1] + ALIGN
+
+
+def smem_bytes_dq(D, tiles):
+    return 2 * layout_dq(D, tiles)[-1] + ALIGN
+
+
+@device_function
+def operand(address, at, rows, mn_major):
+    """The descriptor of a swizzled tile of ``rows`` rows at element ``at``: K-major, or MN-major (its atoms
+    ``rows`` rows apart along the head dim, wgmma's N)."""
+    return descriptor(address + 2 * at, rows * ATOM * 2 if mn_major else 0, PERIOD)
+
+
+def build_dkdv(D, tiles, storage, mods=NONE):
+    """The dK/dV kernel for padded head dim ``D`` (64 or 128), `WgmmaTiles` and float16/bfloat16."""
+    BLOCK_M, BLOCK_N, WARPGROUPS = tiles.block_m, tiles.block_n, tiles.warpgroups
+    THREADS = 128 * WARPGROUPS
+    NT, DT, PS = BLOCK_N // 8, D // 8, BLOCK_N // 16
+    K_AT, V_AT, Q_AT, DO_AT, STATS_AT, _ = layout_dkdv(D, tiles)
+    TILE = BLOCK_N * D  # elements of one Q or dO stage
+    stage_kv, stage_q = stager(D, BLOCK_M, THREADS), stager(D, BLOCK_N, THREADS)
+    scores, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage)
+    pack = pack_p(BLOCK_N, storage)
+    load_stats, store_stats, PER_THREAD = stats_stager(BLOCK_N, THREADS)
+    probabilities, ds = transposed_steps(1, NT, mods)
+    modifier = modifiers(mods, types.float32, fast=True)
+    prepare, natural = modifier.prepare, modifier.natural
+    write_grad = fragment_writer(D, storage)
+    ZERO, ONE = types.float32(0), types.float32(1)
+
+    def attention_backward_dkdv_wgmma(q, k, v, dout, lse, delta, dk, dv, scale_log2, left, right, vec, mod):
+        # q, dout: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v, dk, dv: (batch, seqlen_k, nheads_kv,
+        # headdim); lse, delta: (batch, nheads, seqlen_q)
+        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+        group = q.shape[2] // k.shape[2]
+        b, hk, key_start, q_lo, q_hi = key_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
+        tid = cuda.threadIdx.x
+        wg, warp, lane = tid // 128, (tid % 128) // 32, tid % 32
+        g, t = lane >> 2, lane & 3
+        dk_acc = cuda.local.array((DT, 4), types.float32)  # 64 keys x D per warpgroup
+        dv_acc = cuda.local.array((DT, 4), types.float32)
+        fill(dk_acc, DT, 4, ZERO)
+        fill(dv_acc, DT, 4, ZERO)
+        warp_key = key_start + wg * 64 + warp * 16
+
+        if q_lo < q_hi:  # block-uniform: no query sees these keys otherwise, and dK = dV = 0
+            smem = cuda.shared.array(0, types.uint16)
+            stats = cuda.shared.array(0, types.float32)  # the same memory: LSE and D stages after the tiles
+            base = aligned_base(smem)
+            stats_at = (base + STATS_AT) // 2
+            q_first = (q_lo // BLOCK_N) * BLOCK_N
+            per_head = (q_hi - q_first + BLOCK_N - 1) // BLOCK_N
+            ntiles = group * per_head
+            stage_kv(smem, base + K_AT, k, b, key_start, hk, tid, vec)
+            stage_kv(smem, base + V_AT, v, b, key_start, hk, tid, vec)
+            stage_q(smem, base + Q_AT, q, b, q_first, hk * group, tid, vec)
+            stage_q(smem, base + DO_AT, dout, b, q_first, hk * group, tid, vec)
+            cp_async_commit()
+            next_stat = cuda.local.array(PER_THREAD, types.float32)
+            load_stats(next_stat, lse, delta, b, hk * group, q_first, tid)
+            store_stats(stats, stats_at, next_stat, tid)
+            address = shared_address(smem, base)
+            # A: the warpgroup's 64 keys of K and V; B: the streamed Q and dO, K-major for S^T and dP^T,
+            # MN-major for dK and dV.
+            k_desc = operand(address, K_AT + wg * 64 * ATOM, BLOCK_M, False)
+            v_desc = operand(address, V_AT + wg * 64 * ATOM, BLOCK_M, False)
+            q_desc, do_desc = operand(address, Q_AT, BLOCK_N, False), operand(address, DO_AT, BLOCK_N, False)
+            q_mn, do_mn = operand(address, Q_AT, BLOCK_N, True), operand(address, DO_AT, BLOCK_N, True)
+            s = cuda.local.array((NT, 4), types.float32)  # S^T, then P^T: 64 keys x BLOCK_N queries
+            dp = cuda.local.array((NT, 4), types.float32)  # dP^T, then dS^T
+            dlogit = cuda.local.array((NT, 4), types.float32)  # with modifications: d modified / d score
+            p = cuda.local.array((PS, 4), types.uint32)  # P^T rounded to 16 bits: the A operand of dV += P^T dO
+            d_s = cuda.local.array((PS, 4), types.uint32)  # dS^T rounded: of dK += dS^T Q
+
+            for it in range(ntiles):
+                h = hk * group + it // per_head
+                bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)
+                q_start = q_first + (it % per_head) * BLOCK_N
+                at = (it % 2) * TILE
+                st = stats_at + (it % 2) * 2 * BLOCK_N
+                if it + 1 < ntiles:
+                    # The other stage was last read in the previous iteration, which ended with a barrier.
+                    h_next = hk * group + (it + 1) // per_head
+                    q_next = q_first + ((it + 1) % per_head) * BLOCK_N
+                    stage_q(smem, base + Q_AT + TILE - at, q, b, q_next, h_next, tid, vec)
+                    stage_q(smem, base + DO_AT + TILE - at, dout, b, q_next, h_next, tid, vec)
+                    cp_async_commit()
+                    # The next tile's LSE and D go to registers now and to shared memory after this tile's
+                    # products, so the load's latency hides behind them.
+                    load_stats(next_stat, lse, delta, b, h_next, q_next, tid)
+                    cp_async_wait_one()  # this tile has landed; the next may still be in flight
+                else:
+                    cp_async_wait_all()
+                fence_proxy_async()  # cp.async wrote through the generic proxy; wgmma reads through the async one
+                cuda.syncthreads()  # every thread's copies and statistics of this tile are visible
+
+                wgmma_fence()
+                scores(s, smem, k_desc, advance(q_desc, 2 * at))  # S^T = K Q^T
+                wgmma_commit()
+                scores(dp, smem, v_desc, advance(do_desc, 2 * at))  # dP^T = V dO^T
+                wgmma_commit()
+                wgmma_wait1()  # S^T is done; dP^T may still run under P^T below
+                probabilities(s, dlogit, stats, st, q_start, warp_key, key_start, key_start + BLOCK_M, g, t, seqlen_q,
+                              seqlen_k, left, right, scale_log2, b, h, bh)
+                pack(p, s)
+                wgmma_fence()
+                accumulate(dv_acc, p, smem, advance(do_mn, 2 * at))  # dV += P^T dO
+                wgmma_commit()
+                wgmma_wait1()  # dP^T is done; dV's product may still run under dS^T below
+                ds(s, dp, dlogit, stats, st + BLOCK_N, t)
+                pack(d_s, dp)
+                wgmma_fence()
+                accumulate(dk_acc, d_s, smem, advance(q_mn, 2 * at))  # dK += dS^T Q
+                wgmma_commit()
+                wgmma_wait0()
+                if it + 1 < ntiles:
+                    store_stats(stats, stats_at + ((it + 1) % 2) * 2 * BLOCK_N, next_stat, tid)
+                cuda.syncthreads()  # this stage is free for the copies issued at the top of the next iteration
+
+        # dK = scale dS^T Q with scale = scale_log2 ln(2) (the scale argument with modifications); the rows past
+        # seqlen_k are dropped.
+        scale = natural(scale_log2)
+        write_grad(dk, b, warp_key, hk, dk_acc, 0, scale, scale, g, t)
+        write_grad(dv, b, warp_key, hk, dv_acc, 0, ONE, ONE, g, t)
+
+    return attention_backward_dkdv_wgmma, tensor_core_backward(2, mods)
+
+
+def build_dq(D, tiles, storage, mods=NONE):
+    """The dQ kernel for padded head dim ``D`` (64 or 128), `WgmmaTiles` and float16/bfloat16."""
+    BLOCK_M, BLOCK_N, WARPGROUPS = tiles.block_m, tiles.block_n, tiles.warpgroups
+    THREADS = 128 * WARPGROUPS
+    NT, DT, PS = BLOCK_N // 8, D // 8, BLOCK_N // 16
+    Q_AT, DO_AT, K_AT, V_AT, _ = layout_dq(D, tiles)
+    TILE = BLOCK_N * D  # elements of one K or V stage
+    stage_q, stage_kv = stager(D, BLOCK_M, THREADS), stager(D, BLOCK_N, THREADS)
+    scores, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage)
+    pack = pack_p(BLOCK_N, storage)
+    statistics = row_statistics(types.float32)
+    ds = row_steps(1, NT, mods)
+    modifier = modifiers(mods, types.float32, fast=True)
+    prepare, natural = modifier.prepare, modifier.natural
+    write_grad = fragment_writer(D, storage)
+    ZERO = types.float32(0)
+
+    def attention_backward_dq_wgmma(q, k, v, dout, lse, delta, dq, scale_log2, left, right, vec, mod):
+        # q, dout, dq: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v: (batch, seqlen_k, nheads_kv,
+        # headdim); lse, delta: (batch, nheads, seqlen_q)
+        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+        b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
+        bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)
+        tid = cuda.threadIdx.x
+        wg, warp, lane = tid // 128, (tid % 128) // 32, tid % 32
+        g, t = lane >> 2, lane & 3
+        dq_acc = cuda.local.array((DT, 4), types.float32)  # 64 rows x D per warpgroup
+        fill(dq_acc, DT, 4, ZERO)
+        warp_row = row_start + wg * 64 + warp * 16
+
+        if lo < hi:  # block-uniform: these rows see no key otherwise, and dQ = 0
+            smem = cuda.shared.array(0, types.uint16)
+            base = aligned_base(smem)
+            n_first = (lo // BLOCK_N) * BLOCK_N
+            ntiles = (hi - n_first + BLOCK_N - 1) // BLOCK_N
+            stage_q(smem, base + Q_AT, q, b, row_start, h, tid, vec)
+            stage_q(smem, base + DO_AT, dout, b, row_start, h, tid, vec)
+            stage_kv(smem, base + K_AT, k, b, n_first, hk, tid, vec)
+            stage_kv(smem, base + V_AT, v, b, n_first, hk, tid, vec)
+            cp_async_commit()
+            # Entry r: row `fragments.lane_row(r, g)` of the warp's 16.
+            lse2 = cuda.local.array(2, types.float32)
+            dsum = cuda.local.array(2, types.float32)
+            lo_r = cuda.local.array(2, types.int64)
+            hi_r = cuda.local.array(2, types.int64)
+            for r in range(2):
+                row = warp_row + lane_row(r, g)
+                lse2[r], dsum[r] = statistics(lse, delta, b, h, row)
+                lo_r[r], hi_r[r] = masks.key_range(row, seqlen_q, seqlen_k, left, right)
+            address = shared_address(smem, base)
+            # A: the warpgroup's 64 rows of Q and dO; B: the streamed K (K-major for S, MN-major for dQ) and V.
+            q_desc = operand(address, Q_AT + wg * 64 * ATOM, BLOCK_M, False)
+            do_desc = operand(address, DO_AT + wg * 64 * ATOM, BLOCK_M, False)
+            k_desc, v_desc = operand(address, K_AT, BLOCK_N, False), operand(address, V_AT, BLOCK_N, False)
+            k_mn = operand(address, K_AT, BLOCK_N, True)
+            s = cuda.local.array((NT, 4), types.float32)  # S: 64 rows x BLOCK_N keys per warpgroup
+            dp = cuda.local.array((NT, 4), types.float32)  # dP, then dS
+            d_s = cuda.local.array((PS, 4), types.uint32)  # dS rounded to 16 bits: the A operand of dQ += dS K
+
+            for it in range(ntiles):
+                n_start = n_first + it * BLOCK_N
+                at = (it % 2) * TILE
+                if it + 1 < ntiles:
+                    # The other stage was last read in the previous iteration, which ended with a barrier.
+                    stage_kv(smem, base + K_AT + TILE - at, k, b, n_start + BLOCK_N, hk, tid, vec)
+                    stage_kv(smem, base + V_AT + TILE - at, v, b, n_start + BLOCK_N, hk, tid, vec)
+                    cp_async_commit()
+                    cp_async_wait_one()  # this tile has landed; the next may still be in flight
+                else:
+                    cp_async_wait_all()
+                fence_proxy_async()
+                cuda.syncthreads()  # every thread's copies of this tile (and of Q, dO) are visible
+
+                wgmma_fence()
+                scores(s, smem, q_desc, advance(k_desc, 2 * at))  # S = Q K^T
+                wgmma_commit()
+                scores(dp, smem, do_desc, advance(v_desc, 2 * at))  # dP = dO V^T
+                wgmma_commit()
+                wgmma_wait0()
+                full = masks.tile_is_full(row_start, row_end, n_start, n_start + BLOCK_N, seqlen_q, seqlen_k, left,
+                                          right)
+                ds(s, dp, lse2, dsum, lo_r, hi_r, full, warp_row, n_start, g, t, seqlen_q, seqlen_k, scale_log2, b, h,
+                   bh)
+                pack(d_s, dp)
+                wgmma_fence()
+                accumulate(dq_acc, d_s, smem, advance(k_mn, 2 * at))  # dQ += dS K
+                wgmma_commit()
+                wgmma_wait0()
+                cuda.syncthreads()  # this stage is free for the copies issued at the top of the next iteration
+
+        # dQ = scale dS K with scale = scale_log2 ln(2) (the scale argument with modifications); the rows past
+        # seqlen_q are dropped.
+        scale = natural(scale_log2)
+        write_grad(dq, b, warp_row, h, dq_acc, 0, scale, scale, g, t)
+
+    return attention_backward_dq_wgmma, tensor_core_backward(1, mods)
