@@ -169,7 +169,8 @@ def _accumulator_scalar(call):
 def _plan_for(call, backward, device=None):
     aligned = all(op.vector_aligned(8) for op in (call.q, call.k, call.v))
     return tiling.make_plan(call.batch, call.nheads, call.nheads_kv, call.seqlen_q, call.seqlen_k, call.headdim,
-                            call.dtype, backward=backward, device=device, aligned=aligned, packed=call.mods.packed)
+                            call.dtype, backward=backward, device=device, aligned=aligned, packed=call.mods.packed,
+                            modified=call.mods.active)
 
 
 def _check_plan(plan, call, direction):

@@ -200,7 +200,10 @@ SIMULATOR_MMA_TILES = MmaTiles(32, 16, 1, 2)
 # headdim 64 and 0.70-1.04x at 128, against 0.69-1.10x and 0.79-1.02x without, equal within the runs'
 # noise but for N = 2048 at headdim 64 (0.81x against 0.70x). At headdim 64 three consumers of 64 rows
 # (192 x 96) ran 1.09-1.21x from N = 8192 (two: 0.90-1.16x), but 0.71-0.73x at N = 2048, where
-# 192-row blocks leave a partial last block and fewer, longer waves: they run from WGMMA_LONG_SEQLEN.
+# 192-row blocks leave a partial last block and fewer, longer waves: they run from WGMMA_LONG_SEQLEN, and
+# only without modifications, which their consumers' 152 registers do not hold (at N = 16384, ALiBi
+# cost 1.29x over the plain kernel there, against 1.07x with two consumers; a block mask equal to
+# causal 1.69x over the built-in causal, against 0.94x).
 # At headdim 256, v5 at 128 x 64 ran 0.53-0.67x against mma.sync's 0.44-0.53x, but spills 4-8 bytes under
 # 240 registers; 128 x 48 is spill-free and no faster than mma.sync, which stays.
 # Inputs the copy engine cannot read (`make_plan`'s ``aligned``) run v3 with cp.async: WGMMA_CP_ASYNC_TILES.
@@ -374,19 +377,20 @@ def _choose(direction, acc, D, acc_bytes, device, smem_of):
 
 
 def make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward=False, device=None, tiles=None,
-              aligned=True, packed=False):
+              aligned=True, packed=False, modified=False):
     """The plan for these sizes on ``device`` (default: the current one). ``tiles`` overrides the blocks.
     ``aligned``: whether q, k and v have a contiguous head dim, a multiple of 8, and 16-byte aligned
     strides, as the bulk tensor copy engine needs (`interface.vector_staging`). ``packed``: a varlen call
     (`numbaflash.varlen`) of ``batch`` sequences, the longest ``seqlen_q`` and ``seqlen_k``, which the
-    grid covers."""
+    grid covers. ``modified``: score or mask modifications compile into the kernels (`numbaflash.mods`)."""
     device = current_device() if device is None else device
     return _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned,
-                      packed)
+                      packed, modified)
 
 
 @functools.lru_cache(maxsize=1024)  # plans are immutable; a model calls attention with few distinct shapes
-def _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned, packed):
+def _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned, packed,
+               modified):
     from .kernels.mma import backward as mma_backward
     from .kernels.simt import backward as simt_backward, forward as simt_forward
 
@@ -399,7 +403,7 @@ def _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, bac
         if backward and isinstance(tiles, WgmmaTiles):
             return _wgmma_backward_plan(shape, device, tiles, packed)
         if not backward and (isinstance(tiles, WgmmaTiles) or (tiles is None and uses_wgmma(dtype, device, headdim))):
-            return _wgmma_forward_plan(shape, device, tiles, aligned, packed)
+            return _wgmma_forward_plan(shape, device, tiles, aligned, packed, modified)
         if not backward:
             return _mma_forward_plan(shape, device, tiles)
         if headdim <= mma_backward.MAX_HEADDIM:
@@ -495,17 +499,21 @@ def _mma_forward_plan(shape, device, tiles):
     return _plan("mma_forward", reason, shape, device, D, tiles, smem, registers)
 
 
-def _wgmma_forward_plan(shape, device, tiles, aligned, packed):
+def _wgmma_forward_plan(shape, device, tiles, aligned, packed, modified):
     from .kernels.wgmma import forward as wgmma_forward, ws_forward as wgmma_ws_forward
 
     D = next(D for D in WGMMA_HEADDIMS if shape["headdim"] <= D)
     copies = ""
     if tiles is None:
-        long = shape["seqlen_q"] >= WGMMA_LONG_SEQLEN and D in WGMMA_LONG_TILES and not device.simulator
+        long = (shape["seqlen_q"] >= WGMMA_LONG_SEQLEN and D in WGMMA_LONG_TILES and not device.simulator
+                and not modified)
         tiles = SIMULATOR_WGMMA_TILES if device.simulator else WGMMA_LONG_TILES[D] if long else WGMMA_TILES[D]
         if long:
             copies = (f"; seqlen_q {shape['seqlen_q']} >= {WGMMA_LONG_SEQLEN}: {tiles.warpgroups} consumer warpgroups "
                       f"({tiles.block_m}-row blocks), faster on long sequences")
+        elif modified and shape["seqlen_q"] >= WGMMA_LONG_SEQLEN and D in WGMMA_LONG_TILES and not device.simulator:
+            copies = ("; modifications compiled in: two consumer warpgroups, whose registers hold them (three, faster "
+                      "on long plain sequences, spill them)")
         if tiles.producer and packed:
             tiles = WGMMA_CP_ASYNC_TILES[D]
             copies = ("; packed (varlen) sequences, whose rows the bulk tensor copies' tensor maps do not locate: "

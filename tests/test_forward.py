@@ -180,6 +180,9 @@ def test_hopper_plans_name_the_kernel_family_and_why():
     # Headdim 64 takes a third consumer warpgroup from WGMMA_LONG_SEQLEN query rows on.
     for seqlen, consumers in ((tiling.WGMMA_LONG_SEQLEN - 1, 2), (tiling.WGMMA_LONG_SEQLEN, 3)):
         assert tiling.make_plan(1, 8, 8, seqlen, 512, 64, "float16", device=HOPPER).tiles.warpgroups == consumers
+    # ... unless modifications compile in, which three consumers' registers do not hold.
+    modified = tiling.make_plan(1, 8, 8, tiling.WGMMA_LONG_SEQLEN, 512, 64, "float16", device=HOPPER, modified=True)
+    assert modified.tiles.warpgroups == 2 and "modifications compiled in" in modified.reason
     small = tiling.make_plan(2, 8, 2, 4096, 4096, 32, "float16", device=HOPPER)
     large = tiling.make_plan(2, 8, 2, 4096, 4096, 256, "float16", device=HOPPER)
     assert small.kernel == large.kernel == "mma_forward"
