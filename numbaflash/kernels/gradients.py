@@ -5,10 +5,10 @@ Both families hold a warp's score tile in the accumulator layout (`fragments`): 
 dK/dV kernels compute the transposed tiles (rows are keys, columns query rows), the dQ kernels the
 plain ones (rows are query rows, columns keys). The steps, after the score products:
 
-* `transposed_steps` -> ``probabilities(s, dlogit, stats, lse_at, q_start, warp_key, key_start, key_end, ...)``:
-  S^T of query rows ``q_start ..`` becomes P^T = exp2(logit(S^T) - LSE) in place, 0 where the mask hides
-  the score, and with score modifications ``dlogit`` the modification's derivative; the LSE of column
-  ``c`` is ``stats[lse_at + c]``. ``ds(s, dp, dlogit, stats, delta_at, t)``: dP^T becomes dS^T =
+* `transposed_steps` -> ``probabilities(s, dlogit, stats, lse_at, q_start, c0, warp_key, key_start, key_end,
+  ...)``: S^T of query rows ``q_start + c0 ..`` (columns ``c0 ..`` of a tile of rows from ``q_start``) becomes
+  P^T = exp2(logit(S^T) - LSE) in place, 0 where the mask hides the score, and with score modifications
+  ``dlogit`` the modification's derivative; the LSE of tile column ``c`` is ``stats[lse_at + c]``. ``ds(s, dp, dlogit, stats, delta_at, t)``: dP^T becomes dS^T =
   P^T (dP^T - D) (times ``dlogit``), D of column ``c`` at ``stats[delta_at + c]``.
 * `row_steps` -> ``ds(s, dp, lse2, dsum, lo_r, hi_r, full, ...)``: S and dP of a row tile become dS in
   ``dp``, with each row's base-2 LSE, D and visible key range in registers.
@@ -45,15 +45,15 @@ def transposed_steps(M, NT, mods=NONE):
     GUARDED = guarded(mods)
 
     @device_function
-    def probabilities(s, dlogit, stats, lse_at, q_start, warp_key, key_start, key_end, g, t, seqlen_q, seqlen_k,
+    def probabilities(s, dlogit, stats, lse_at, q_start, c0, warp_key, key_start, key_end, g, t, seqlen_q, seqlen_k,
                       left, right, scale_log2, b, h, bh):
-        full = masks.tile_is_full(q_start, min(q_start + 8 * NT, seqlen_q), key_start, key_end, seqlen_q, seqlen_k,
-                                  left, right)
+        full = masks.tile_is_full(q_start + c0, min(q_start + c0 + 8 * NT, seqlen_q), key_start, key_end, seqlen_q,
+                                  seqlen_k, left, right)
         # ALiBi's distance of the lane's first query and its row-g key of the warp's first m-tile
-        distance = types.float32(q_start + 2 * t + seqlen_k - seqlen_q - warp_key - g)
+        distance = types.float32(q_start + c0 + 2 * t + seqlen_k - seqlen_q - warp_key - g)
         for j in range(NT):
             for e in range(2):
-                col = 8 * j + 2 * t + e
+                col = c0 + 8 * j + 2 * t + e
                 row = q_start + col
                 lo_q, hi_q = 0, seqlen_k  # a full tile: every key visible, no bounds to compute
                 if not full:

@@ -153,8 +153,8 @@ def build_dkdv(D, tiles, storage, mods=NONE):
                 scores(dp, smem, v_desc, advance(do_desc, 2 * at))  # dP^T = V dO^T
                 wgmma_commit()
                 wgmma_wait1()  # S^T is done; dP^T may still run under P^T below
-                probabilities(s, dlogit, stats, st, q_start, warp_key, key_start, key_start + BLOCK_M, g, t, seqlen_q,
-                              seqlen_k, left, right, scale_log2, b, h, bh)
+                probabilities(s, dlogit, stats, st, q_start, 0, warp_key, key_start, key_start + BLOCK_M, g, t,
+                              seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh)
                 pack(p, s)
                 wgmma_fence()
                 accumulate(dv_acc, p, smem, advance(do_mn, 2 * at))  # dV += P^T dO
