@@ -61,6 +61,19 @@ def test_wgmma_backward_refuses_what_it_cannot_run():
         tiling.make_plan(1, 2, 2, 64, 64, 200, "float16", backward=True, tiles=tiling.WgmmaTiles(64, 64, 1))
 
 
+def test_sim_counts_the_wgmma_backward_schedule():
+    """`sim` counts the wgmma backward's schedule as it counts the mma.sync one's, and `sim.hardware` walks its
+    launches (cp.async tiles, LSE and D staged as the mma.sync dK/dV kernel stages them)."""
+    import sim.hardware
+
+    plan = tiling.make_plan(1, 2, 1, 300, 300, 64, "float16", backward=True, tiles=tiling.WGMMA_BACKWARD_TILES[64],
+                            device=HOPPER)
+    counted = sim.count_io(300, 64, plan=plan, causal=True, backward=True)
+    assert counted.total == counted.predicted["total"]
+    traffic = {k.kernel: k for k in sim.hardware.predict(plan, gpu=sim.hardware.H100).kernels}
+    assert traffic["wgmma_backward_dkdv"].copy_bytes > 0 and traffic["wgmma_backward_dq"].copy_bytes > 0
+
+
 def test_tensor_core_backward_with_one_m_tile_per_warp(arrays, poisoned):
     """Warps of 16 keys or rows, as the headdim-128 plan runs (smaller head dims give a warp two m-tiles)."""
     case = Case(1, 19, 23, 4, 2, 20, "float16", causal=True, seed=6)

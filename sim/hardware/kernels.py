@@ -266,7 +266,7 @@ def dkdv_blocks(walk, ledger):
     t, ops = walk.plan.tiles, walk.ops
     seqlen_q, seqlen_k = walk.seqlens
     bk, bq = t.block_m, t.block_n
-    mma = isinstance(t, MmaTiles)
+    mma = isinstance(t, (MmaTiles, WgmmaTiles))  # the tensor-core kernels stage LSE and D alike
     if mma:
         rows_of = lambda q0: patterns.stats_rows_mma(q0, bq, t.threads)
     else:
@@ -296,10 +296,12 @@ def dq_blocks(walk, ledger):
     CUDA-core kernel stages K twice, k-major then row-major)."""
     t, ops = walk.plan.tiles, walk.ops
     bm, bn = t.block_m, t.block_n
-    mma = isinstance(t, MmaTiles)
+    mma = isinstance(t, (MmaTiles, WgmmaTiles))
     if mma:
-        rows_of = lambda q0: np.concatenate([patterns.quad_rows(q0 + w * t.rows_per_warp, t.m_tiles)[0]
-                                             for w in range(t.warps)])
+        # wgmma gives each warp of a warpgroup one m-tile of 16 rows in mma.sync's layout
+        warps, rows, m_tiles = (4 * t.warpgroups, 16, 1) if isinstance(t, WgmmaTiles) else (t.warps, t.rows_per_warp,
+                                                                                             t.m_tiles)
+        rows_of = lambda q0: np.concatenate([patterns.quad_rows(q0 + w * rows, m_tiles)[0] for w in range(warps)])
     else:
         r, c = patterns.simt_lanes(t.threads, t.cols_t)
         rows_of = lambda q0: np.concatenate([q0 + r * t.thread_m + a for a in range(t.thread_m)])
