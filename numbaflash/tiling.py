@@ -195,11 +195,11 @@ SIMULATOR_MMA_TILES = MmaTiles(32, 16, 1, 2)
 #   bytes in v3, and three warpgroups (192 x 64, 0.82-1.02x) 216 bytes under 168 registers.
 # This stop (NVIDIA H100, fp16, N = 2048, 8192, 16384, causal and not, batch x N = 16384, 16 heads,
 # .bench/pingpong.py and pingpong2.py) v5 at headdim 128 compiled spill-free at 128 x 128 (168 registers at
-# entry, 240 per consumer after setmaxnreg) and ran 0.82-1.08x against v3's 0.59-0.85x in the same run.
+# entry, 240 per consumer after setmaxnreg) and ran 0.69-1.08x against v3's 0.59-0.85x in the same run.
 # Ping-pong (the consumers take turns to issue their products on named barriers) ran 0.70-1.16x at
 # headdim 64 and 0.70-1.04x at 128, against 0.69-1.10x and 0.79-1.02x without, equal within the runs'
 # noise but for N = 2048 at headdim 64 (0.81x against 0.70x). At headdim 64 three consumers of 64 rows
-# (192 x 96) ran 1.09-1.21x from N = 8192 (two: 0.90-1.16x), but 0.71-0.73x at N = 2048, where
+# (192 x 96) ran 0.98-1.21x from N = 8192 (two: 0.90-1.16x), but 0.71-0.73x at N = 2048, where
 # 192-row blocks leave a partial last block and fewer, longer waves: they run from WGMMA_LONG_SEQLEN, and
 # only without modifications, which their consumers' 152 registers do not hold (at N = 16384, ALiBi
 # cost 1.29x over the plain kernel there, against 1.07x with two consumers; a block mask equal to

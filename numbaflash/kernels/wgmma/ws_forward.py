@@ -19,7 +19,7 @@ v5 (``tma=True``) is that: one producer thread issues each tile as bulk tensor c
 swizzle atom) through `tensor_maps`, delivered to the "full" mbarriers by byte count (expect-tx). At
 headdim 64 (128 x 128) it ran 0.95-1.11x SDPA flash, against v3's 0.73-0.88x, and the plans run it
 there. At headdim 128 it now compiles spill-free at 128 x 128 (the producer keeps 24 registers, each
-consumer gets 240) and ran 0.82-1.08x against v3's 0.59-0.85x (H100, same run), so the plans run it
+consumer gets 240) and ran 0.69-1.08x against v3's 0.59-0.85x (H100, same run), so the plans run it
 there too (`tiling`).
 
 With ``pingpong`` (FlashAttention-3's inter-warpgroup schedule) the consumers take turns: each waits on
