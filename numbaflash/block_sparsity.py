@@ -40,6 +40,14 @@ class BlockMask:
         return (f"BlockMask({self.mask_mod.__qualname__}, batch={self.batch}, nheads={self.nheads}, "
                 f"seqlen_q={self.seqlen_q}, seqlen_k={self.seqlen_k})")
 
+    def check_sizes(self, batch, nheads, seqlen_q, seqlen_k):
+        """ValueError unless the mask was made for these sizes (its None batch or nheads matches any)."""
+        if (self.seqlen_q, self.seqlen_k) != (seqlen_q, seqlen_k) or self.batch not in (None, batch) \
+                or self.nheads not in (None, nheads):
+            raise ValueError(f"block_mask was made for (batch, nheads, seqlen_q, seqlen_k) = "
+                             f"{(self.batch, self.nheads, self.seqlen_q, self.seqlen_k)}, not for "
+                             f"{(batch, nheads, seqlen_q, seqlen_k)} (None matches any)")
+
     def classify(self, block_m, block_n):
         """int8 ``(batch or 1, nheads or 1, cdiv(seqlen_q, block_m), cdiv(seqlen_k, block_n))`` of EMPTY, PARTIAL, FULL."""
         if (block_m, block_n) not in self._classes:

@@ -139,11 +139,7 @@ def _check_block_mask(block, mask_mod, call):
     """The mask_mod a call with ``block`` runs: the block mask's own (the call's mask_mod, if given, must be it)."""
     if not isinstance(block, BlockMask):
         raise TypeError(f"block_mask must be None or what numbaflash.block_mask(...) returns; got {type(block).__name__}")
-    sizes = (block.batch, block.nheads, block.seqlen_q, block.seqlen_k)
-    if (block.seqlen_q, block.seqlen_k) != (call.seqlen_q, call.seqlen_k) or block.batch not in (None, call.batch) \
-            or block.nheads not in (None, call.nheads):
-        raise ValueError(f"block_mask was made for (batch, nheads, seqlen_q, seqlen_k) = {sizes}, not for this call's "
-                         f"{(call.batch, call.nheads, call.seqlen_q, call.seqlen_k)} (None matches any)")
+    block.check_sizes(call.batch, call.nheads, call.seqlen_q, call.seqlen_k)
     if mask_mod is not None and mask_mod is not block.mask_mod:
         raise ValueError("mask_mod differs from the block_mask's own: pass one or the other (the block mask carries it)")
     return block.mask_mod

@@ -130,6 +130,19 @@ class WgmmaTiles:
     def threads(self):
         return 128 * (self.warpgroups + self.producer)
 
+    # wgmma gives each warp of a (consumer) warpgroup one m-tile of 16 rows in mma.sync's accumulator layout.
+    @property
+    def warps(self):
+        return 4 * self.warpgroups
+
+    @property
+    def m_tiles(self):
+        return 1
+
+    @property
+    def rows_per_warp(self):
+        return 16
+
     @property
     def kernel(self):
         return "wgmma_tma_forward" if self.tma else "wgmma_ws_forward" if self.producer else "wgmma_forward"
@@ -505,13 +518,13 @@ def _wgmma_forward_plan(shape, device, tiles, aligned, packed, modified):
     D = next(D for D in WGMMA_HEADDIMS if shape["headdim"] <= D)
     copies = ""
     if tiles is None:
-        long = (shape["seqlen_q"] >= WGMMA_LONG_SEQLEN and D in WGMMA_LONG_TILES and not device.simulator
-                and not modified)
+        long_sequence = shape["seqlen_q"] >= WGMMA_LONG_SEQLEN and D in WGMMA_LONG_TILES and not device.simulator
+        long = long_sequence and not modified
         tiles = SIMULATOR_WGMMA_TILES if device.simulator else WGMMA_LONG_TILES[D] if long else WGMMA_TILES[D]
         if long:
             copies = (f"; seqlen_q {shape['seqlen_q']} >= {WGMMA_LONG_SEQLEN}: {tiles.warpgroups} consumer warpgroups "
                       f"({tiles.block_m}-row blocks), faster on long sequences")
-        elif modified and shape["seqlen_q"] >= WGMMA_LONG_SEQLEN and D in WGMMA_LONG_TILES and not device.simulator:
+        elif long_sequence:
             copies = ("; modifications compiled in: two consumer warpgroups, whose registers hold them (three, faster "
                       "on long plain sequences, spill them)")
         if tiles.producer and packed:

@@ -199,11 +199,7 @@ def _block_mask_tiles(block_mask, algorithm, backward, p, blocks):
     if algorithm != "flash2" or backward:
         raise ValueError(f"block_mask: only the FlashAttention-2 forward skips the tiles a block mask empties (the "
                          f"kernels' backward does not yet); got algorithm {algorithm!r}, backward={backward}")
-    sizes = (block_mask.batch, block_mask.nheads, block_mask.seqlen_q, block_mask.seqlen_k)
-    if (block_mask.seqlen_q, block_mask.seqlen_k) != (p.seqlen_q, p.seqlen_k) or \
-            block_mask.batch not in (None, p.batch) or block_mask.nheads not in (None, p.nheads):
-        raise ValueError(f"block_mask was made for (batch, nheads, seqlen_q, seqlen_k) = {sizes}, not for "
-                         f"{(p.batch, p.nheads, p.seqlen_q, p.seqlen_k)} (None matches any)")
+    block_mask.check_sizes(p.batch, p.nheads, p.seqlen_q, p.seqlen_k)
     return block_mask.visited(blocks.rows, blocks.cols, p.left, p.right)
 
 

@@ -8,10 +8,12 @@ plain ones (rows are query rows, columns keys). The steps, after the score produ
 * `transposed_steps` -> ``probabilities(s, dlogit, stats, lse_at, q_start, c0, warp_key, key_start, key_end,
   ...)``: S^T of query rows ``q_start + c0 ..`` (columns ``c0 ..`` of a tile of rows from ``q_start``) becomes
   P^T = exp2(logit(S^T) - LSE) in place, 0 where the mask hides the score, and with score modifications
-  ``dlogit`` the modification's derivative; the LSE of tile column ``c`` is ``stats[lse_at + c]``. ``ds(s, dp, dlogit, stats, delta_at, t)``: dP^T becomes dS^T =
-  P^T (dP^T - D) (times ``dlogit``), D of column ``c`` at ``stats[delta_at + c]``.
-* `row_steps` -> ``ds(s, dp, lse2, dsum, lo_r, hi_r, full, ...)``: S and dP of a row tile become dS in
-  ``dp``, with each row's base-2 LSE, D and visible key range in registers.
+  ``dlogit`` the modification's derivative; the LSE of tile column ``c`` is ``stats[lse_at + c]``.
+  ``ds(s, dp, dlogit, stats, delta_at, t)``: dP^T becomes dS^T = P^T (dP^T - D) (times ``dlogit``), D of
+  column ``c`` at ``stats[delta_at + c]``.
+* `row_steps` -> ``(rows, ds)``: ``rows(lse2, dsum, lo_r, hi_r, lse, delta, ...)`` loads a warp's rows'
+  base-2 LSE, D and visible key range into registers once; ``ds(s, dp, lse2, dsum, lo_r, hi_r, full, ...)``
+  turns S and dP of a row tile into dS in ``dp``.
 * `stats_stager` -> ``(load, store, per_thread)``: a query tile's LSE and D, loaded to registers early
   (their latency hides behind the tile's products) and stored to shared memory after.
 
@@ -41,7 +43,8 @@ def guarded(mods):
 def transposed_steps(M, NT, mods=NONE):
     """``(probabilities, ds)`` for transposed tiles of ``M`` m-tiles of 16 keys and ``8 NT`` query columns."""
     M_ROWS = 2 * M
-    MODIFIED, MASKED, prepare, _, logit2, visible, natural = modifiers(mods, types.float32, fast=True)
+    modifier = modifiers(mods, types.float32, fast=True)
+    MODIFIED, logit2, visible = modifier.modified, modifier.logit2, modifier.visible
     GUARDED = guarded(mods)
 
     @device_function
@@ -86,10 +89,20 @@ def transposed_steps(M, NT, mods=NONE):
 
 
 def row_steps(M, NT, mods=NONE):
-    """``ds`` for row tiles of ``M`` m-tiles of 16 query rows and ``8 NT`` key columns."""
+    """``(rows, ds)`` for row tiles of ``M`` m-tiles of 16 query rows and ``8 NT`` key columns."""
     M_ROWS = 2 * M
-    _, _, _, _, logit2, visible, _ = modifiers(mods, types.float32, fast=True)
+    modifier = modifiers(mods, types.float32, fast=True)
+    logit2, visible = modifier.logit2, modifier.visible
     GUARDED = guarded(mods)
+    statistics = row_statistics(types.float32)
+
+    @device_function
+    def rows(lse2, dsum, lo_r, hi_r, lse, delta, b, h, warp_row, g, seqlen_q, seqlen_k, left, right):
+        # Entry r: row `fragments.lane_row(r, g)` of the warp's 16 M.
+        for r in range(M_ROWS):
+            row = warp_row + lane_row(r, g)
+            lse2[r], dsum[r] = statistics(lse, delta, b, h, row)
+            lo_r[r], hi_r[r] = masks.key_range(row, seqlen_q, seqlen_k, left, right)
 
     @device_function
     def ds(s, dp, lse2, dsum, lo_r, hi_r, full, warp_row, n_start, g, t, seqlen_q, seqlen_k, scale_log2, b, h, bh):
@@ -109,7 +122,7 @@ def row_steps(M, NT, mods=NONE):
                         d = ex2(x2 - lse2[r]) * (dp[x, 2 * half + e] - dsum[r]) * grad
                     dp[x, 2 * half + e] = d
 
-    return ds
+    return rows, ds
 
 
 def stats_stager(ROWS, THREADS):

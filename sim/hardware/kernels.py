@@ -218,9 +218,7 @@ class Walk:
         """The block's rows of ``name`` (O, dQ, dK or dV), and of ``lse`` unless None, as its kernel writes them."""
         t, out = self.plan.tiles, self.ops[name]
         lse = None if lse is None else self.ops[lse]
-        if isinstance(t, WgmmaTiles):
-            _tensor_core_outputs(ledger, self.plan, out, lse, b, h, row0, 4 * t.warpgroups, 16, name)
-        elif isinstance(t, MmaTiles):
+        if isinstance(t, (MmaTiles, WgmmaTiles)):
             _tensor_core_outputs(ledger, self.plan, out, lse, b, h, row0, t.warps, t.rows_per_warp, name)
         else:
             _simt_outputs(ledger, self.plan, out, lse, b, h, row0, name)
@@ -298,10 +296,8 @@ def dq_blocks(walk, ledger):
     bm, bn = t.block_m, t.block_n
     mma = isinstance(t, (MmaTiles, WgmmaTiles))
     if mma:
-        # wgmma gives each warp of a warpgroup one m-tile of 16 rows in mma.sync's layout
-        warps, rows, m_tiles = (4 * t.warpgroups, 16, 1) if isinstance(t, WgmmaTiles) else (t.warps, t.rows_per_warp,
-                                                                                             t.m_tiles)
-        rows_of = lambda q0: np.concatenate([patterns.quad_rows(q0 + w * rows, m_tiles)[0] for w in range(warps)])
+        rows_of = lambda q0: np.concatenate([patterns.quad_rows(q0 + w * t.rows_per_warp, t.m_tiles)[0]
+                                             for w in range(t.warps)])
     else:
         r, c = patterns.simt_lanes(t.threads, t.cols_t)
         rows_of = lambda q0: np.concatenate([q0 + r * t.thread_m + a for a in range(t.thread_m)])

@@ -206,6 +206,7 @@ def bits_float(typingctx, u):
 
     return sig, codegen
 
+
 def _named_barrier(op):
     @intrinsic
     def barrier(typingctx, barrier, threads):
@@ -219,6 +220,7 @@ def _named_barrier(op):
         return sig, codegen
 
     return barrier
+
 
 # Named barriers 1-15 (0 is syncthreads'): ``threads`` (a multiple of 32) arrivals complete one.
 named_barrier_sync = _named_barrier("bar.sync")

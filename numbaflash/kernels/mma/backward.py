@@ -28,11 +28,10 @@ from ...mods import NONE
 from ..blocks import key_block, query_block, tensor_core_backward
 from ..gradients import row_steps, stats_stager, transposed_steps
 from ..intrinsics import cp_async_commit, cp_async_wait_all, cp_async_wait_one
-from ..fragments import fill, fragment_writer, lane_row
+from ..fragments import fill, fragment_writer
 from ..mods import modifiers
 from ..sequences import sequences
 from .tiles import lane_offsets, products, row_stride, stager
-from ..simt.backward import row_statistics
 
 MAX_HEADDIM = 128  # dK and dV fragments: 2 x D / 2 float32 registers per thread
 
@@ -193,10 +192,9 @@ def build_dq(D, tiles, storage, mods=NONE):
     stage = stager(D, THREADS)
     scores, accumulate = products(CHUNK, D, storage, M)
     write_grad = fragment_writer(D, storage)
-    statistics = row_statistics(types.float32)
     modifier = modifiers(mods, types.float32, fast=True)
     prepare, natural = modifier.prepare, modifier.natural
-    ds = row_steps(M, NT, mods)
+    rows, ds = row_steps(M, NT, mods)
     ZERO = types.float32(0)
 
     def attention_backward_dq_mma(q, k, v, dout, lse, delta, dq, scale_log2, left, right, vec, mod):
@@ -230,15 +228,11 @@ def build_dq(D, tiles, storage, mods=NONE):
             stage(smem, K_AT, k, b, n_first, hk, BLOCK_N, tid, vec)
             stage(smem, V_AT, v, b, n_first, hk, BLOCK_N, tid, vec)
             cp_async_commit()
-            # Entry r: row `lane_row(r, g)` of the warp's ROWS.
             lse2 = cuda.local.array(M_ROWS, types.float32)
             dsum = cuda.local.array(M_ROWS, types.float32)
             lo_r = cuda.local.array(M_ROWS, types.int64)
             hi_r = cuda.local.array(M_ROWS, types.int64)
-            for r in range(M_ROWS):
-                row = warp_row + lane_row(r, g)
-                lse2[r], dsum[r] = statistics(lse, delta, b, h, row)
-                lo_r[r], hi_r[r] = masks.key_range(row, seqlen_q, seqlen_k, left, right)
+            rows(lse2, dsum, lo_r, hi_r, lse, delta, b, h, warp_row, g, seqlen_q, seqlen_k, left, right)
             q_at = Q_AT + warp * ROWS * LD + a_off
             do_at = DO_AT + warp * ROWS * LD + a_off
             s = cuda.local.array((M_NT, 4), types.float32)  # S, then P: ROWS rows x CHUNK keys per warp

@@ -24,15 +24,12 @@ from numba import cuda, types
 from ... import masks
 from ...mods import NONE
 from ..blocks import key_block, query_block, tensor_core_backward
-from ..fragments import fill, fragment_writer, lane_row
+from ..fragments import fill, fragment_writer
 from ..gradients import row_steps, stats_stager, transposed_steps
-from ..intrinsics import (cp_async_commit, cp_async_wait_all, cp_async_wait_one, device_function, fence_proxy_async,
+from ..intrinsics import (cp_async_commit, cp_async_wait_all, cp_async_wait_one, fence_proxy_async,
                          shared_address, wgmma_commit, wgmma_fence, wgmma_wait0, wgmma_wait1)
 from ..mods import modifiers
-from ..simt.backward import row_statistics
-from .tiles import ALIGN, ATOM, ATOM_ROWS, advance, aligned_base, descriptor, pack_p, products, stager
-
-PERIOD = ATOM_ROWS * ATOM * 2  # bytes between 8-row groups of a swizzled tile
+from .tiles import ALIGN, ATOM, advance, aligned_base, operand, pack_p, products, stager
 
 
 def layout_dkdv(D, tiles):
@@ -55,13 +52,6 @@ def smem_bytes_dkdv(D, tiles):
 
 def smem_bytes_dq(D, tiles):
     return 2 * layout_dq(D, tiles)[-1] + ALIGN
-
-
-@device_function
-def operand(address, at, rows, mn_major):
-    """The descriptor of a swizzled tile of ``rows`` rows at element ``at``: K-major, or MN-major (its atoms
-    ``rows`` rows apart along the head dim, wgmma's N)."""
-    return descriptor(address + 2 * at, rows * ATOM * 2 if mn_major else 0, PERIOD)
 
 
 def build_dkdv(D, tiles, storage, mods=NONE):
@@ -189,8 +179,7 @@ def build_dq(D, tiles, storage, mods=NONE):
     stage_q, stage_kv = stager(D, BLOCK_M, THREADS), stager(D, BLOCK_N, THREADS)
     scores, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage)
     pack = pack_p(BLOCK_N, storage)
-    statistics = row_statistics(types.float32)
-    ds = row_steps(1, NT, mods)
+    rows, ds = row_steps(1, NT, mods)
     modifier = modifiers(mods, types.float32, fast=True)
     prepare, natural = modifier.prepare, modifier.natural
     write_grad = fragment_writer(D, storage)
@@ -219,15 +208,11 @@ def build_dq(D, tiles, storage, mods=NONE):
             stage_kv(smem, base + K_AT, k, b, n_first, hk, tid, vec)
             stage_kv(smem, base + V_AT, v, b, n_first, hk, tid, vec)
             cp_async_commit()
-            # Entry r: row `fragments.lane_row(r, g)` of the warp's 16.
             lse2 = cuda.local.array(2, types.float32)
             dsum = cuda.local.array(2, types.float32)
             lo_r = cuda.local.array(2, types.int64)
             hi_r = cuda.local.array(2, types.int64)
-            for r in range(2):
-                row = warp_row + lane_row(r, g)
-                lse2[r], dsum[r] = statistics(lse, delta, b, h, row)
-                lo_r[r], hi_r[r] = masks.key_range(row, seqlen_q, seqlen_k, left, right)
+            rows(lse2, dsum, lo_r, hi_r, lse, delta, b, h, warp_row, g, seqlen_q, seqlen_k, left, right)
             address = shared_address(smem, base)
             # A: the warpgroup's 64 rows of Q and dO; B: the streamed K (K-major for S, MN-major for dQ) and V.
             q_desc = operand(address, Q_AT + wg * 64 * ATOM, BLOCK_M, False)

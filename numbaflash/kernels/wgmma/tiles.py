@@ -10,7 +10,8 @@ staged alike, straight from global memory with cp.async, without a transpose and
 
 * `stager` -> ``stage(smem, at, src, b, row0, h, tid, vec)``: rows ``row0 ..`` of head ``h`` into a
   swizzled tile at element ``at`` (zeros past the sequence or the head dim).
-* `descriptor(address, leading, stride)`: the 64-bit shared-memory matrix descriptor; `advance` moves one.
+* `descriptor(address, leading, stride)`: the 64-bit shared-memory matrix descriptor; `advance` moves one;
+  `operand` is a whole tile's, K-major or MN-major.
 * `products` -> ``scores(s, smem, a_desc, b_desc)``: ``S = A B^T`` for a warpgroup's 64 rows of A (D
   contracted, ``D / 16`` wgmma), and ``accumulate(acc, p, smem, b_desc)``: ``acc += P B`` with P from
   registers (``N / 16`` wgmma); `pack_p` rounds a score tile into P's A fragments.
@@ -48,14 +49,20 @@ def advance(desc, nbytes):
 
 
 @device_function
+def operand(address, at, rows, mn_major):
+    """The descriptor of a swizzled tile of ``rows`` rows at element ``at`` past shared ``address`` (bytes):
+    K-major, or MN-major (its atoms ``rows`` rows apart along the head dim, wgmma's N)."""
+    period = ATOM_ROWS * ATOM * 2  # bytes between 8-row groups of a swizzled tile
+    return descriptor(address + 2 * at, rows * ATOM * 2 if mn_major else 0, period)
+
+
+@device_function
 def descriptors(address, q_at, k_at, v_at, block_n, wg):
     """``(q, k, v)`` descriptors of the forward's tiles at shared ``address`` (bytes) + element offsets: warpgroup
     ``wg``'s 64 rows of the Q tile and the first stage of K and V (``block_n`` rows), K-major
-    Q and K, MN-major V (its atoms ``block_n`` rows apart along the head dim, wgmma's N)."""
-    period = ATOM_ROWS * ATOM * 2  # bytes between 8-row groups of a swizzled tile
-    return (descriptor(address + 2 * (q_at + wg * 64 * ATOM), 0, period),
-            descriptor(address + 2 * k_at, 0, period),
-            descriptor(address + 2 * v_at, block_n * ATOM * 2, period))
+    Q and K, MN-major V."""
+    return (operand(address, q_at + wg * 64 * ATOM, 64, False), operand(address, k_at, block_n, False),
+            operand(address, v_at, block_n, True))
 
 
 def stager(D, ROWS, THREADS):
