@@ -118,8 +118,8 @@ class WgmmaTiles:
             raise ValueError(f"wgmma blocks have block_m = 64 x warpgroups rows; got {self}")
         if self.block_n % 16 or not 16 <= self.block_n <= 256:
             raise ValueError(f"wgmma key tiles have a multiple of 16 keys, 16 to 256 (wgmma's N); got {self}")
-        if self.stages != 2:
-            raise ValueError(f"the wgmma forward runs a two-stage K/V ring; got {self}")
+        if self.stages != 2 and not (self.producer and 2 <= self.stages <= 4):
+            raise ValueError(f"the wgmma kernels run a two-stage K/V ring, a producer's ring 2 to 4 stages; got {self}")
         if self.tma and not self.producer:
             raise ValueError(f"bulk tensor copies (tma) are issued by a producer warpgroup; got {self}")
         if self.pingpong and not (self.producer and self.warpgroups >= 2):

@@ -41,13 +41,15 @@ PRODUCER_CASES = [Case(1, 70, 45, 2, 1, 64, "float16", seed=11),
                   Case(1, 40, 90, 2, 2, 104, "float16", window_size=(20, 3), seed=13)]
 
 
-# v5 (the plans' choice) through every case; v4, a ladder step no plan picks, through the first (CI time).
-@pytest.mark.parametrize("case,tma,kernel", [(c, True, "wgmma_tma_forward") for c in PRODUCER_CASES]
-                         + [(PRODUCER_CASES[0], False, "wgmma_ws_forward")])
-def test_wgmma_forward_with_a_producer_warpgroup(case, tma, kernel, arrays, poisoned):
+# v5 (the plans' choice) through every case; v4, a ladder step no plan picks, through the first (CI time);
+# a three-stage ring through eight key tiles, so that it wraps around more than twice.
+@pytest.mark.parametrize("case,tma,kernel,stages", [(c, True, "wgmma_tma_forward", 2) for c in PRODUCER_CASES]
+                         + [(PRODUCER_CASES[0], False, "wgmma_ws_forward", 2),
+                            (Case(1, 40, 120, 2, 1, 64, "float16", seed=16), True, "wgmma_tma_forward", 3)])
+def test_wgmma_forward_with_a_producer_warpgroup(case, tma, kernel, stages, arrays, poisoned):
     """Kernels v4 (cp.async) and v5 (bulk tensor copies): a producer warpgroup feeds the consumer through
-    mbarriers (GQA, masks, odd lengths, padded head dims)."""
-    tiles = WgmmaTiles(64, 16, 1, producer=True, tma=tma)
+    mbarriers (GQA, masks, odd lengths, padded head dims), K one tile ahead of V."""
+    tiles = WgmmaTiles(64, 16, 1, stages, producer=True, tma=tma)
     assert tiling.make_plan(1, 1, 1, 64, 64, 64, "float16", tiles=tiles).kernel == kernel
     check_forward(case, with_tiles(case, tiles), *arrays)
 
@@ -196,6 +198,9 @@ def test_hopper_plans_name_the_kernel_family_and_why():
         WgmmaTiles(128, 64, 1)
     with pytest.raises(ValueError, match="ping-pong takes turns"):
         WgmmaTiles(64, 64, 1, producer=True, tma=True, pingpong=True)
+    for stages, producer in ((3, False), (5, True)):
+        with pytest.raises(ValueError, match="two-stage K/V ring"):
+            WgmmaTiles(64, 64, 1, stages, producer=producer)
 
 
 @pytest.mark.gpu

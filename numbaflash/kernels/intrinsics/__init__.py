@@ -52,7 +52,8 @@ Hopper (compute capability 9.0, sm_90a; `ptx_hopper`):
 * ``mbarrier_arrive_expect_tx(smem, i, nbytes)``: an arrival that also expects ``nbytes`` from the copy
   engine before the phase completes; ``tma_load_4d(smem, dst, maps, which, c0, c1, c2, c3, barrier)``:
   the bulk tensor copy of one box of map ``which`` of a `wgmma.tensor_maps` set (the simulator's
-  ``TENSOR_MAPS`` registry) into ``smem[dst ..]``, its bytes delivered to the mbarrier at ``smem[barrier]``.
+  ``TENSOR_MAPS`` registry) into ``smem[dst ..]``, its bytes delivered to the mbarrier at ``smem[barrier]``,
+  after ``tensormap_acquire(maps, which)`` once per thread and map (the host wrote the maps).
 * ``setmaxnreg_inc(count)()`` / ``setmaxnreg_dec(count)()``: the warpgroup's registers per thread
   raised or lowered to ``count`` (on the simulator, nothing).
 """

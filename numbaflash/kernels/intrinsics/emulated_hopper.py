@@ -209,6 +209,10 @@ def mbarrier_arrive_expect_tx(smem, i, tx):
 TENSOR_MAPS = {}  # key -> [(array (batch, seqlen, heads, headdim), box rows)], written by `wgmma.tensor_maps`
 
 
+def tensormap_acquire(maps, which):
+    pass  # the registry's entries are host objects, visible to every simulated thread
+
+
 def tma_load_4d(smem, dst, maps, which, c0, c1, c2, c3, barrier):
     array, rows = TENSOR_MAPS[int(maps)][int(which)]
     words = np.asarray(array).view(np.uint16)

@@ -182,10 +182,28 @@ TENSOR_MAPS = None  # the simulator's registry of map sets (`emulated_hopper`); 
 
 
 @intrinsic
+def tensormap_acquire(typingctx, maps, which):
+    """Make map ``which`` of the map set at ``maps`` (written by the host before the launch) visible to this
+    thread's bulk tensor copies, and prefetch it into the copy engine's descriptor cache. Once per thread
+    and map: compiled into every copy, the acquire invalidated the cached descriptor (``UTMACCTL.IV``) and
+    waited for every outstanding load, so each copy fetched its map from global memory again."""
+    sig = types.void(types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        tmap = builder.add(args[0], builder.mul(args[1], ir.Constant(ir.IntType(64), 128)))
+        _asm(builder, [ir.IntType(64)], ir.VoidType(),
+             "fence.proxy.tensormap::generic.acquire.gpu [$0], 128; prefetch.tensormap [$0];", "l,~{memory}", [tmap],
+             True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
 def tma_load_4d(typingctx, smem, dst, maps, which, c0, c1, c2, c3, barrier):
     """Copy the box of map ``which`` of the map set at ``maps`` whose first element is at coordinates (c0 head
     dim, c1 head, c2 row, c3 batch) into ``smem[dst ..]`` (1024-byte aligned), completing its bytes on the
-    mbarrier at ``smem[barrier]``. The map set is read through a generic address, after a proxy fence."""
+    mbarrier at ``smem[barrier]``. The map is read through a generic address: `tensormap_acquire` it first."""
     if not _is_shared_words(smem):
         return None
     i32 = types.int32
@@ -199,7 +217,6 @@ def tma_load_4d(typingctx, smem, dst, maps, which, c0, c1, c2, c3, barrier):
         tmap = builder.add(args[2], builder.mul(args[3], ir.Constant(i64, 128)))
         coords = [context.cast(builder, v, t, types.int32) for v, t in zip(args[4:8], signature.args[4:8])]
         _asm(builder, [ir.IntType(32), i64] + [ir.IntType(32)] * 5, ir.VoidType(),
-             "fence.proxy.tensormap::generic.acquire.gpu [$1], 128; "
              "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
              "[$0], [$1, {$2, $3, $4, $5}], [$6];", "r,l,r,r,r,r,r,~{memory}",
              [dst_address, tmap] + coords + [bar_address], True)

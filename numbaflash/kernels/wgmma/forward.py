@@ -26,12 +26,10 @@ from ..mods import kernel_type, modifiers
 from ..softmax import steps
 from .tiles import ALIGN, advance, aligned_base, descriptors, pack_p, products, stager
 
-STAGES = 2  # K and V ring depth
-
-
 def layout(D, tiles):
-    """Element offsets, from the aligned base, of Q (block_m rows), K and V (STAGES tiles of block_n rows each)."""
-    sizes = (tiles.block_m * D, STAGES * tiles.block_n * D, STAGES * tiles.block_n * D)
+    """Element offsets, from the aligned base, of Q (block_m rows), K and V (``tiles.stages`` tiles of block_n
+    rows each)."""
+    sizes = (tiles.block_m * D, tiles.stages * tiles.block_n * D, tiles.stages * tiles.block_n * D)
     return tuple(sum(sizes[:i]) for i in range(4))
 
 
@@ -48,6 +46,7 @@ def build(D, tiles, storage, mods=NONE):
     THREADS = 128 * WARPGROUPS
     NT, DT, PS = BLOCK_N // 8, D // 8, BLOCK_N // 16
     Q_AT, K_AT, V_AT, _ = layout(D, tiles)
+    STAGES = tiles.stages  # 2: the loop below refills a stage as soon as it is read
     TILE_N = BLOCK_N * D  # elements of one K or V stage
     stage_q, stage_kv = stager(D, BLOCK_M, THREADS), stager(D, BLOCK_N, THREADS)
     scores, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage)
