@@ -196,38 +196,34 @@ MMA_HEADDIMS = (16, 32, 64, 128, 256)
 MMA_TILES = {16: MmaTiles(128, 64, 4, 2), 32: MmaTiles(128, 64, 4, 2), 64: MmaTiles(128, 64, 4, 2),
              128: MmaTiles(128, 32, 4, 2), 256: MmaTiles(64, 64, 4)}
 SIMULATOR_MMA_TILES = MmaTiles(32, 16, 1, 2)
-# wgmma forward (compute capability 9.0), by head-dim bucket; two consumer warpgroups of 64 query rows
-# share every K and V tile. Measured on the H200, fp16, N = 4096 and 16384, causal and not, against SDPA
-# flash in the same run (.bench/wgtiles.py, .bench/wscheck.py, .bench/tmacheck.py):
-# - headdim 64: v5 (a producer warpgroup issuing bulk tensor copies, 128 x 128) ran 0.95-1.11x; v3
-#   (every warpgroup copies with cp.async, then computes) 0.73-0.88x at 128 x 112 (128 x 128 spilled 32
-#   bytes under 255 registers); v4 (the producer with cp.async) 0.60-0.73x: four warps cannot issue a
-#   tile's 16-byte copies fast enough, which one bulk copy per swizzle atom fixes.
-# - headdim 128: v3 at 128 x 64 ran 0.76-0.91x, v5 at 128 x 96 0.70-0.82x and at 128 x 80 0.60-0.70x
-#   (128 x 112 and 128 x 128 spill in v5's 168 registers). v3 stays; 128 x 80/96/112 spilled 40-184
-#   bytes in v3, and three warpgroups (192 x 64, 0.82-1.02x) 216 bytes under 168 registers.
-# This stop (NVIDIA H100, fp16, N = 2048, 8192, 16384, causal and not, batch x N = 16384, 16 heads,
-# .bench/pingpong.py and pingpong2.py) v5 at headdim 128 compiled spill-free at 128 x 128 (168 registers at
-# entry, 240 per consumer after setmaxnreg) and ran 0.69-1.08x against v3's 0.59-0.85x in the same run.
-# Ping-pong (the consumers take turns to issue their products on named barriers) ran 0.70-1.16x at
-# headdim 64 and 0.70-1.04x at 128, against 0.69-1.10x and 0.79-1.02x without, equal within the runs'
-# noise but for N = 2048 at headdim 64 (0.81x against 0.70x). At headdim 64 three consumers of 64 rows
-# (192 x 96) ran 0.98-1.21x from N = 8192 (two: 0.90-1.16x), but 0.71-0.73x at N = 2048, where
-# 192-row blocks leave a partial last block and fewer, longer waves: they run from WGMMA_LONG_SEQLEN, and
-# only without modifications, which their consumers' 152 registers do not hold (at N = 16384, ALiBi
-# cost 1.29x over the plain kernel there, against 1.07x with two consumers; a block mask equal to
-# causal 1.69x over the built-in causal, against 0.94x).
-# At headdim 256, v5 at 128 x 64 ran 0.53-0.67x against mma.sync's 0.44-0.53x, but spills 4-8 bytes under
-# 240 registers; 128 x 48 is spill-free and no faster than mma.sync, which stays.
-# Inputs the copy engine cannot read (`make_plan`'s ``aligned``) run v3 with cp.async: WGMMA_CP_ASYNC_TILES.
+# wgmma forward (compute capability 9.0), by head-dim bucket; two or three consumer warpgroups of 64 query
+# rows share every K and V tile. The ladder, as measured:
+# - H200, fp16, N = 4096 and 16384 against SDPA flash in the same run (.bench/wgtiles.py, wscheck.py,
+#   tmacheck.py): v3 (every warpgroup copies with cp.async, then computes) 0.73-0.88x at headdim 64 (128 x
+#   112) and 0.76-0.91x at 128 (128 x 64); v4 (a producer warpgroup copying with cp.async) 0.60-0.73x, its
+#   four warps unable to issue a tile's 16-byte copies fast enough; v5 (the producer issuing one bulk tensor
+#   copy per swizzle atom) 0.95-1.11x at headdim 64.
+# - H100, ping-pong and v5 at headdim 128 x 128 (.bench/pingpong.py, pingpong2.py): 0.70-1.16x at 64 and
+#   0.74-1.05x at 128, N = 2048 to 16384. Those v5 builds put the tensor-map acquire fence before every
+#   bulk copy, which invalidated the copy engine's descriptor cache each time: consumers waited for tiles
+#   26% of the time (ncu source counters, .bench/srcprof.py).
+# - H100 after the fix (acquire once per block; .bench/plans.py, fp16, N = 2048 to 16384, causal and not,
+#   batch x N = 16384, 16 heads): headdim 64 at 192 x 96 with three consumers 0.78-1.38x, against 0.71-1.27x
+#   at 128 x 128 with two; headdim 128 at 128 x 128 0.83-1.55x (128 x 160 equal within noise); headdim
+#   256 at 128 x 48 1.07-1.65x, against mma.sync's 0.43-0.53x (128 x 64 ran 1.24-1.82x but keeps 8 bytes
+#   of local memory; 128 x 48 keeps none).
+# Three consumers get 152 registers each, which modifications (softcap and ALiBi: 412 bytes of spill
+# stores) do not fit in: modified calls at headdim 64 run two consumers (WGMMA_MODIFIED_TILES).
+# Inputs the copy engine cannot read (`make_plan`'s ``aligned``) and packed sequences run v3 with cp.async
+# (WGMMA_CP_ASYNC_TILES); at headdim 256, which v3 has no tiles for, mma.sync (on the simulator too).
 # Head dims up to 32 stay on mma.sync, whose 16- and 32-wide buckets pad less than wgmma's 64-wide atoms.
 # On the simulator one warpgroup and 16-key tiles, the smallest wgmma.
-WGMMA_HEADDIMS = (64, 128)
+WGMMA_HEADDIMS = (64, 128, 256)
 WGMMA_MIN_HEADDIM = 33
-WGMMA_TILES = {64: WgmmaTiles(128, 128, 2, producer=True, tma=True, pingpong=True),
-               128: WgmmaTiles(128, 128, 2, producer=True, tma=True, pingpong=True)}
-WGMMA_LONG_SEQLEN = 8192
-WGMMA_LONG_TILES = {64: WgmmaTiles(192, 96, 3, producer=True, tma=True, pingpong=True)}
+WGMMA_TILES = {64: WgmmaTiles(192, 96, 3, producer=True, tma=True, pingpong=True),
+               128: WgmmaTiles(128, 128, 2, producer=True, tma=True, pingpong=True),
+               256: WgmmaTiles(128, 48, 2, producer=True, tma=True, pingpong=True)}
+WGMMA_MODIFIED_TILES = {64: WgmmaTiles(128, 128, 2, producer=True, tma=True, pingpong=True)}
 WGMMA_CP_ASYNC_TILES = {64: WgmmaTiles(128, 112, 2), 128: WgmmaTiles(128, 64, 2)}
 SIMULATOR_WGMMA_TILES = WgmmaTiles(64, 16, 1)
 # wgmma backward (compute capability 9.0), a ladder step no plan picks yet: square blocks as the mma.sync
@@ -287,7 +283,7 @@ def uses_tensor_cores(dtype, device):
 
 def uses_wgmma(dtype, device, headdim):
     """The wgmma forward: float16 and bfloat16 on compute capability 9.0 (wgmma needs sm_90a, which
-    Blackwell's sm_100 does not run), head dims 33 to 128."""
+    Blackwell's sm_100 does not run), head dims 33 to 256."""
     return (dtype in ("float16", "bfloat16") and device.compute_capability == (9, 0)
             and WGMMA_MIN_HEADDIM <= headdim <= WGMMA_HEADDIMS[-1])
 
@@ -412,6 +408,8 @@ def _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, bac
     if isinstance(tiles, WgmmaTiles) and (headdim > WGMMA_HEADDIMS[-1] or dtype not in ("float16", "bfloat16")):
         raise ValueError(f"wgmma tiles run float16/bfloat16 with headdim <= {WGMMA_HEADDIMS[-1]}; "
                          f"got {dtype}, headdim {headdim}")
+    if backward and isinstance(tiles, WgmmaTiles) and headdim > max(WGMMA_BACKWARD_TILES):
+        raise ValueError(f"the wgmma backward runs head dims up to {max(WGMMA_BACKWARD_TILES)}; got headdim {headdim}")
     if uses_tensor_cores(dtype, device) and (tiles is None or isinstance(tiles, (MmaTiles, WgmmaTiles))):
         if backward and isinstance(tiles, WgmmaTiles):
             return _wgmma_backward_plan(shape, device, tiles, packed)
@@ -492,7 +490,8 @@ def _check_smem(what, smem, shape, device):
                          f"{shape['headdim']}; {device.name} offers {device.smem_per_block}")
 
 
-def _mma_forward_plan(shape, device, tiles):
+def _mma_forward_plan(shape, device, tiles, hopper=""):
+    """``hopper``: why a Hopper GPU runs mma.sync here (from `_wgmma_forward_plan`), else worked out below."""
     from .kernels.mma import forward as mma_forward
 
     D = mma_headdim_bucket(shape["headdim"])
@@ -501,11 +500,8 @@ def _mma_forward_plan(shape, device, tiles):
     smem = (2 * mma_forward.smem_elements(D, tiles),)
     _check_smem("forward", smem, shape, device)
     registers = 4 * (tiles.block_m * D + tiles.block_m * tiles.block_n + 2 * tiles.block_m)
-    hopper = ""
-    if device.compute_capability == (9, 0) and not requested:
-        hopper = (f"; headdim {shape['headdim']} > {WGMMA_HEADDIMS[-1]}, past the wgmma forward's buckets"
-                  if shape["headdim"] > WGMMA_HEADDIMS[-1] else
-                  f"; headdim {shape['headdim']} < {WGMMA_MIN_HEADDIM}: mma.sync's 16- and 32-wide buckets pad less "
+    if device.compute_capability == (9, 0) and not requested and not hopper:
+        hopper = (f"; headdim {shape['headdim']} < {WGMMA_MIN_HEADDIM}: mma.sync's 16- and 32-wide buckets pad less "
                   "than wgmma's 64")
     reason = (f"{shape['dtype']} on {_mma_where(device)}: tensor cores, float32 accumulation; head dims padded to "
               f"16, 32, 64, 128 or 256{hopper}")
@@ -518,23 +514,24 @@ def _wgmma_forward_plan(shape, device, tiles, aligned, packed, modified):
     D = next(D for D in WGMMA_HEADDIMS if shape["headdim"] <= D)
     copies = ""
     if tiles is None:
-        long_sequence = shape["seqlen_q"] >= WGMMA_LONG_SEQLEN and D in WGMMA_LONG_TILES and not device.simulator
-        long = long_sequence and not modified
-        tiles = SIMULATOR_WGMMA_TILES if device.simulator else WGMMA_LONG_TILES[D] if long else WGMMA_TILES[D]
-        if long:
-            copies = (f"; seqlen_q {shape['seqlen_q']} >= {WGMMA_LONG_SEQLEN}: {tiles.warpgroups} consumer warpgroups "
-                      f"({tiles.block_m}-row blocks), faster on long sequences")
-        elif long_sequence:
-            copies = ("; modifications compiled in: two consumer warpgroups, whose registers hold them (three, faster "
-                      "on long plain sequences, spill them)")
-        if tiles.producer and packed:
+        tiles = (SIMULATOR_WGMMA_TILES if device.simulator else
+                 WGMMA_MODIFIED_TILES.get(D, WGMMA_TILES[D]) if modified else WGMMA_TILES[D])
+        if modified and D in WGMMA_MODIFIED_TILES and not device.simulator:
+            copies = (f"; modifications compiled in: {tiles.warpgroups} consumer warpgroups, whose registers hold them "
+                      f"({WGMMA_TILES[D].warpgroups}, faster on plain calls, spill them)")
+        cp_async = ("packed (varlen) sequences, whose rows the bulk tensor copies' tensor maps do not locate"
+                    if tiles.producer and packed else
+                    "q, k or v has a head dim that is not contiguous, not a multiple of 8 or not 16-byte aligned, "
+                    "which the bulk tensor copy engine cannot read" if tiles.tma and not aligned else "")
+        if device.simulator and D not in WGMMA_CP_ASYNC_TILES:
+            return _mma_forward_plan(shape, device, None, f"; the simulator's wgmma plans run v3 (cp.async, one "
+                                                          f"warpgroup), which has no headdim-{D} tiles: mma.sync")
+        if cp_async and D not in WGMMA_CP_ASYNC_TILES:
+            return _mma_forward_plan(shape, device, None, f"; {cp_async}, and v3 (cp.async) has no headdim-{D} "
+                                                          "tiles: mma.sync")
+        if cp_async:
             tiles = WGMMA_CP_ASYNC_TILES[D]
-            copies = ("; packed (varlen) sequences, whose rows the bulk tensor copies' tensor maps do not locate: "
-                      "v3 copies with cp.async")
-        elif tiles.tma and not aligned:
-            tiles = WGMMA_CP_ASYNC_TILES[D]
-            copies = ("; q, k or v has a head dim that is not contiguous, not a multiple of 8 or not 16-byte "
-                      "aligned, which the bulk tensor copy engine cannot read: v3 copies with cp.async")
+            copies = f"; {cp_async}: v3 copies with cp.async"
     else:
         check_copy_engine(tiles, aligned)
         if tiles.producer and packed:
@@ -546,7 +543,7 @@ def _wgmma_forward_plan(shape, device, tiles, aligned, packed, modified):
     where = ("the CUDA simulator, whose wgmma and cp.async are emulations (one warpgroup per block)" if device.simulator
              else f"compute capability 9.0 ({device.name})")
     reason = (f"{shape['dtype']} on {where}: warpgroup tensor cores (wgmma), float32 accumulation; head dims padded "
-              f"to 64 or 128{copies}")
+              f"to 64, 128 or 256{copies}")
     return _plan(tiles.kernel, reason, shape, device, D, tiles, smem, registers)
 
 

@@ -56,13 +56,14 @@ def test_wgmma_forward_with_a_producer_warpgroup(case, tma, kernel, stages, arra
 
 # One block per head: two and three consumer warpgroups are 384 and 512 simulated threads.
 PINGPONG_CASES = [(Case(1, 100, 45, 1, 1, 64, "float16", causal=True, seed=14), 2),
-                  (Case(1, 140, 40, 1, 1, 96, "bfloat16", window_size=(30, 5), seed=15), 3)]
+                  (Case(1, 140, 40, 1, 1, 96, "bfloat16", window_size=(30, 5), seed=15), 3),
+                  (Case(1, 70, 40, 1, 1, 200, "float16", causal=True, seed=17), 2)]  # headdim 256's plans
 
 
 @pytest.mark.parametrize("case,consumers", PINGPONG_CASES)
 def test_wgmma_forward_with_ping_pong_consumers(case, consumers, arrays, poisoned):
     """v5 whose consumer warpgroups take turns on named barriers (the first goes first, the last leaves out
-    its last arrival): rows past the sequence in the last consumer, masks, a padded head dim."""
+    its last arrival): rows past the sequence in the last consumer, masks, padded head dims up to 256."""
     tiles = WgmmaTiles(64 * consumers, 16, consumers, producer=True, tma=True, pingpong=True)
     check_forward(case, with_tiles(case, tiles), *arrays)
 
@@ -175,20 +176,26 @@ def test_explain_compares_traffic_the_right_way_round():
 
 
 def test_hopper_plans_name_the_kernel_family_and_why():
-    """wgmma for head dims 33-128 on compute capability 9.0; mma.sync around it, with the reason."""
+    """wgmma for head dims 33-256 on compute capability 9.0; mma.sync around it, with the reason."""
     wgmma = tiling.make_plan(2, 8, 2, 4096, 4096, 128, "bfloat16", device=HOPPER)
     assert wgmma.kernel == "wgmma_tma_forward" and wgmma.tiles.pingpong and wgmma.tiles.warpgroups == 2
     assert "warpgroups" in wgmma.describe() and "wgmma" in wgmma.reason
-    # Headdim 64 takes a third consumer warpgroup from WGMMA_LONG_SEQLEN query rows on.
-    for seqlen, consumers in ((tiling.WGMMA_LONG_SEQLEN - 1, 2), (tiling.WGMMA_LONG_SEQLEN, 3)):
-        assert tiling.make_plan(1, 8, 8, seqlen, 512, 64, "float16", device=HOPPER).tiles.warpgroups == consumers
-    # ... unless modifications compile in, which three consumers' registers do not hold.
-    modified = tiling.make_plan(1, 8, 8, tiling.WGMMA_LONG_SEQLEN, 512, 64, "float16", device=HOPPER, modified=True)
+    # Headdim 64 runs three consumer warpgroups, unless modifications compile in, which their registers
+    # do not hold.
+    assert tiling.make_plan(1, 8, 8, 2048, 512, 64, "float16", device=HOPPER).tiles.warpgroups == 3
+    modified = tiling.make_plan(1, 8, 8, 2048, 512, 64, "float16", device=HOPPER, modified=True)
     assert modified.tiles.warpgroups == 2 and "modifications compiled in" in modified.reason
+    wide = tiling.make_plan(2, 8, 2, 4096, 4096, 256, "float16", device=HOPPER)
+    assert wide.kernel == "wgmma_tma_forward" and wide.tiles == tiling.WGMMA_TILES[256]
+    # Headdim 256 where v5 cannot run (packed sequences, inputs the copy engine cannot read): v3 has no
+    # tiles for it, so mma.sync, and the plan says why.
+    for packed, aligned in ((True, True), (False, False)):
+        fallback = tiling.make_plan(2, 8, 2, 4096, 4096, 256, "float16", device=HOPPER, packed=packed, aligned=aligned)
+        assert fallback.kernel == "mma_forward" and "no headdim-256 tiles" in fallback.reason
     small = tiling.make_plan(2, 8, 2, 4096, 4096, 32, "float16", device=HOPPER)
-    large = tiling.make_plan(2, 8, 2, 4096, 4096, 256, "float16", device=HOPPER)
-    assert small.kernel == large.kernel == "mma_forward"
-    assert "pad less" in small.reason and "past the wgmma forward" in large.reason
+    assert small.kernel == "mma_forward" and "pad less" in small.reason
+    with pytest.raises(ValueError, match="wgmma backward runs head dims up to 128"):
+        tiling.make_plan(1, 1, 1, 64, 64, 256, "float16", backward=True, device=HOPPER, tiles=WgmmaTiles(64, 64, 1))
     assert tiling.make_plan(1, 1, 1, 64, 64, 64, "float16", device=AMPERE).kernel == "mma_forward"
     counted = sim.count_io(300, 128, plan=tiling.make_plan(1, 1, 1, 300, 300, 128, "float16", device=HOPPER), causal=True)
     assert counted.total == counted.predicted["total"]  # sim counts the wgmma schedule as it runs

@@ -118,9 +118,10 @@ GPU_FAMILIES = {
     "simt": ("float32", 64, None),
     "mma": ("float16", 64, tiling.MMA_TILES[64]),
     "wgmma v3": ("float16", 128, tiling.WGMMA_CP_ASYNC_TILES[128]),
-    "wgmma v5": ("bfloat16", 64, tiling.WGMMA_TILES[64]),
+    "wgmma v5": ("bfloat16", 64, tiling.WGMMA_MODIFIED_TILES[64]),
     "wgmma v5 (d128)": ("float16", 128, tiling.WGMMA_TILES[128]),
-    "wgmma v5 (3 consumers)": ("bfloat16", 64, tiling.WGMMA_LONG_TILES[64]),
+    "wgmma v5 (d256)": ("bfloat16", 256, tiling.WGMMA_TILES[256]),
+    "wgmma v5 (3 consumers)": ("bfloat16", 64, tiling.WGMMA_TILES[64]),
 }
 
 

@@ -77,7 +77,7 @@ def smem_bytes(D, tiles):
 
 
 def build(D, tiles, storage, mods=NONE):
-    """The kernel for padded head dim ``D`` (64 or 128), `WgmmaTiles` with a producer and float16/bfloat16."""
+    """The kernel for padded head dim ``D`` (64, 128 or 256), `WgmmaTiles` with a producer and float16/bfloat16."""
     BLOCK_M, BLOCK_N, CONSUMERS, STAGES = tiles.block_m, tiles.block_n, tiles.warpgroups, tiles.stages
     THREADS = PRODUCER + 128 * CONSUMERS
     NT, DT, PS = BLOCK_N // 8, D // 8, BLOCK_N // 16
