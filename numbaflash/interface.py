@@ -163,7 +163,9 @@ def _accumulator_scalar(call):
 
 
 def _plan_for(call, backward, device=None):
+    """The plan of ``call`` on ``device`` (default: the GPU its operands are on, current under `_device_context`)."""
     aligned = all(op.vector_aligned(8) for op in (call.q, call.k, call.v))
+    device = device or tiling.current_device(call.device)
     return tiling.make_plan(call.batch, call.nheads, call.nheads_kv, call.seqlen_q, call.seqlen_k, call.headdim,
                             call.dtype, backward=backward, device=device, aligned=aligned, packed=call.mods.packed,
                             modified=call.mods.active)

@@ -37,9 +37,8 @@ def maps(ops_and_rows):
         while len(TENSOR_MAPS) > KEPT:
             TENSOR_MAPS.pop(next(iter(TENSOR_MAPS)))
         return key
-    from numba import cuda
-
-    return _device_maps(cuda.get_current_device().id, tuple(spec(op, rows) for op, rows in ops_and_rows)).ptr
+    # The operands' GPU, current while the call runs (asking numba for the current device costs more).
+    return _device_maps(ops_and_rows[0][0].device, tuple(spec(op, rows) for op, rows in ops_and_rows)).ptr
 
 
 _keys = itertools.count(1)
