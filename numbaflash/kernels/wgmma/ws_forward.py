@@ -1,7 +1,7 @@
 """Kernels v4 and v5: the wgmma forward with a producer warpgroup (FlashAttention-3's warp specialization).
 
 v3 (`wgmma.forward`) makes every thread both copy tiles and compute, with a barrier of the whole block
-per key tile. Here warpgroup 0 only copies: Q once, then K and V tile by tile into two-stage rings,
+per key tile. Here warpgroup 0 only copies: Q once, then K and V tile by tile into rings of ``stages`` tiles,
 each 16-byte cp.async landing on an mbarrier (``cp.async.mbarrier.arrive.noinc``). The ``CONSUMERS``
 warpgroups after it only compute, 64 query rows each, exactly as v3's warpgroups do (S of the next
 tile overlapped with the last tile's P V), and wait for their tiles on the "full" mbarriers; once a
@@ -16,11 +16,12 @@ that issue rate, not the tensor cores, bounds it; the copy engine's bulk tensor 
 instruction per tile, are what this structure is for. Selected with ``WgmmaTiles(..., producer=True)``.
 
 v5 (``tma=True``) is that: one producer thread issues each tile as bulk tensor copies (one per 64-column
-swizzle atom) through `tensor_maps`, delivered to the "full" mbarriers by byte count (expect-tx). At
-headdim 64 (128 x 128) it ran 0.95-1.11x SDPA flash, against v3's 0.73-0.88x, and the plans run it
-there. At headdim 128 it now compiles spill-free at 128 x 128 (the producer keeps 24 registers, each
-consumer gets 240) and ran 0.69-1.08x against v3's 0.59-0.85x (H100, same run), so the plans run it
-there too (`tiling`).
+swizzle atom) through `tensor_maps`, delivered to the "full" mbarriers by byte count (expect-tx), K one
+tile ahead of V. It acquires the maps once per block: acquired before every copy, each copy invalidated
+the copy engine's descriptor cache and waited for all outstanding loads, and the consumers waited for
+tiles a quarter of the time. Since then it runs 0.67-1.37x SDPA flash at headdim 64, 0.88-1.82x at 128
+and 1.09-2.24x at 256 (H100, N = 2048 to 16384; `tiling` keeps the records), and every Hopper plan
+runs it.
 
 With ``pingpong`` (FlashAttention-3's inter-warpgroup schedule) the consumers take turns: each waits on
 its named barrier before it issues a tile's two products and then arrives on the next consumer's, so
