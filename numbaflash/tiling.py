@@ -528,12 +528,10 @@ def _wgmma_forward_plan(shape, device, tiles, aligned, packed, modified):
                     if tiles.producer and packed else
                     "q, k or v has a head dim that is not contiguous, not a multiple of 8 or not 16-byte aligned, "
                     "which the bulk tensor copy engine cannot read" if tiles.tma and not aligned else "")
-        if device.simulator and D not in WGMMA_CP_ASYNC_TILES:
-            return _mma_forward_plan(shape, device, None, f"; the simulator's wgmma plans run v3 (cp.async, one "
-                                                          f"warpgroup), which has no headdim-{D} tiles: mma.sync")
-        if cp_async and D not in WGMMA_CP_ASYNC_TILES:
-            return _mma_forward_plan(shape, device, None, f"; {cp_async}, and v3 (cp.async) has no headdim-{D} "
-                                                          "tiles: mma.sync")
+        if (cp_async or not tiles.producer) and D not in WGMMA_CP_ASYNC_TILES:
+            why = cp_async or "the simulator's wgmma plans run v3 (one warpgroup)"
+            return _mma_forward_plan(shape, device, None, f"; {why}, and v3 (cp.async) has no headdim-{D} tiles: "
+                                                          "mma.sync")
         if cp_async:
             tiles = WGMMA_CP_ASYNC_TILES[D]
             copies = f"; {cp_async}: v3 copies with cp.async"

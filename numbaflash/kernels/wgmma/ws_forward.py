@@ -122,50 +122,41 @@ def build(D, tiles, storage, mods=NONE):
             tma_load_4d(smem, dst + a * rows * ATOM, maps, which, a * ATOM, head, row, b, full)
 
     @device_function
-    def ring_slot(it):
-        # Stage of tile `it` and the parity of its "empty" wait: the first round finds every stage empty.
-        return it % STAGES, ((it // STAGES) & 1) ^ 1
+    def load_tile(smem, base, at, full, empty, it, src, maps, which, mod, b, h, hk, row_start, n_base, tid, vec):
+        # Tile `it` of K (which 1) or V (which 2) into its ring stage, once the consumers have emptied it (the
+        # first round finds every stage empty): bulk tensor copies with TMA, else the producer's cp.async.
+        s, parity = it % STAGES, ((it // STAGES) & 1) ^ 1
+        wait(smem, base + empty + s * BARRIER_ELEMENTS, parity)
+        n_start = tile_start(mod, b, h, row_start, n_base, it)
+        if TMA:
+            copy_tile(smem, base + at + s * TILE_N, base + full + s * BARRIER_ELEMENTS, maps, which, hk, n_start, b,
+                      BLOCK_N)
+        else:
+            stage_kv(smem, base + at + s * TILE_N, src, b, n_start, hk, tid, vec)
+            landed(smem, base + full + s * BARRIER_ELEMENTS, vec)
 
     @device_function
-    def produce_tma(smem, base, maps, mod, b, h, hk, row_start, n_base, ntiles, tid):
+    def produce(smem, base, q, k, v, maps, mod, b, h, hk, row_start, n_base, ntiles, tid, vec):
         # K runs one tile ahead of V, the order the consumers read them in (S_it with P_{it-1} V_{it-1}):
         # V_it waits for P_{it-2} V_{it-2} to release its stage, and K_{it+1} issued after it would wait too.
         # In the order K, V, K, V the consumers' wait for K took 26% of the warps' stall samples (ncu, d128).
-        if tid == 0:
+        if TMA and tid != 0:
+            return  # one thread issues the bulk copies
+        if TMA:
             for which in range(3):  # Q, K, V
                 tensormap_acquire(maps, which)
             copy_tile(smem, base + Q_AT, base + Q_FULL, maps, 0, h, row_start, b, BLOCK_M)
-            for it in range(-1, ntiles):
-                if it + 1 < ntiles:
-                    s, parity = ring_slot(it + 1)
-                    wait(smem, base + K_EMPTY + s * BARRIER_ELEMENTS, parity)
-                    copy_tile(smem, base + K_AT + s * TILE_N, base + K_FULL + s * BARRIER_ELEMENTS, maps, 1, hk,
-                              tile_start(mod, b, h, row_start, n_base, it + 1), b, BLOCK_N)
-                if it >= 0:
-                    s, parity = ring_slot(it)
-                    wait(smem, base + V_EMPTY + s * BARRIER_ELEMENTS, parity)
-                    copy_tile(smem, base + V_AT + s * TILE_N, base + V_FULL + s * BARRIER_ELEMENTS, maps, 2, hk,
-                              tile_start(mod, b, h, row_start, n_base, it), b, BLOCK_N)
-
-    @device_function
-    def produce(smem, base, q, k, v, mod, b, h, hk, row_start, n_base, ntiles, tid, vec):
-        # Tiles in the order of `produce_tma`.
-        stage_q(smem, base + Q_AT, q, b, row_start, h, tid, vec)
-        landed(smem, base + Q_FULL, vec)
+        else:
+            stage_q(smem, base + Q_AT, q, b, row_start, h, tid, vec)
+            landed(smem, base + Q_FULL, vec)
         for it in range(-1, ntiles):
             if it + 1 < ntiles:
-                s, parity = ring_slot(it + 1)
-                wait(smem, base + K_EMPTY + s * BARRIER_ELEMENTS, parity)
-                stage_kv(smem, base + K_AT + s * TILE_N, k, b, tile_start(mod, b, h, row_start, n_base, it + 1), hk,
-                         tid, vec)
-                landed(smem, base + K_FULL + s * BARRIER_ELEMENTS, vec)
+                load_tile(smem, base, K_AT, K_FULL, K_EMPTY, it + 1, k, maps, 1, mod, b, h, hk, row_start, n_base, tid,
+                          vec)
             if it >= 0:
-                s, parity = ring_slot(it)
-                wait(smem, base + V_EMPTY + s * BARRIER_ELEMENTS, parity)
-                stage_kv(smem, base + V_AT + s * TILE_N, v, b, tile_start(mod, b, h, row_start, n_base, it), hk, tid,
-                         vec)
-                landed(smem, base + V_FULL + s * BARRIER_ELEMENTS, vec)
-        cp_async_wait_all()  # leave only once every copy has landed
+                load_tile(smem, base, V_AT, V_FULL, V_EMPTY, it, v, maps, 2, mod, b, h, hk, row_start, n_base, tid, vec)
+        if not TMA:
+            cp_async_wait_all()  # leave only once every copy has landed
 
     @device_function
     def my_turn(wg):
@@ -231,10 +222,7 @@ def build(D, tiles, storage, mods=NONE):
 
         if tid < PRODUCER:
             release_registers()
-            if TMA:
-                produce_tma(smem, base, maps, mod, b, h, hk, row_start, n_base, ntiles, tid)
-            else:
-                produce(smem, base, q, k, v, mod, b, h, hk, row_start, n_base, ntiles, tid, vec)
+            produce(smem, base, q, k, v, maps, mod, b, h, hk, row_start, n_base, ntiles, tid, vec)
         else:
             take_registers()
             ctid = tid - PRODUCER
