@@ -16,7 +16,8 @@ from .kernels import compiled
 from .kernels import mods as kernel_mods
 from .kernels.mma import backward as mma_backward, forward as mma_forward
 from .kernels.simt import backward as simt_backward, forward as simt_forward
-from .kernels.wgmma import backward as wgmma_backward, forward as wgmma_forward, ws_forward as wgmma_ws_forward
+from .kernels.wgmma import (backward as wgmma_backward, forward as wgmma_forward, ws_backward as wgmma_ws_backward,
+                            ws_forward as wgmma_ws_forward)
 from .kernels.elements import STORAGE
 from .kernels.intrinsics import SIMULATOR
 
@@ -162,9 +163,10 @@ def _accumulator_scalar(call):
     return np.float64 if call.dtype == "float64" else np.float32
 
 
-def _plan_for(call, backward, device=None):
-    """The plan of ``call`` on ``device`` (default: the GPU its operands are on, current under `_device_context`)."""
-    aligned = all(op.vector_aligned(8) for op in (call.q, call.k, call.v))
+def _plan_for(call, backward, device=None, dout=None):
+    """The plan of ``call`` on ``device`` (default: the GPU its operands are on, current under `_device_context`);
+    a backward's ``dout`` counts for the alignment its copies need."""
+    aligned = all(op.vector_aligned(8) for op in (call.q, call.k, call.v) + ((dout,) if dout is not None else ()))
     device = device or tiling.current_device(call.device)
     return tiling.make_plan(call.batch, call.nheads, call.nheads_kv, call.seqlen_q, call.seqlen_k, call.headdim,
                             call.dtype, backward=backward, device=device, aligned=aligned, packed=call.mods.packed,
@@ -273,6 +275,8 @@ BUILDERS = {
     "mma_backward_dq": mma_backward.build_dq,
     "wgmma_backward_dkdv": wgmma_backward.build_dkdv,
     "wgmma_backward_dq": wgmma_backward.build_dq,
+    "wgmma_tma_backward_dkdv": wgmma_ws_backward.build_dkdv,
+    "wgmma_tma_backward_dq": wgmma_ws_backward.build_dq,
 }
 
 
@@ -324,13 +328,18 @@ def run_backward(call, plan, dout, lse, out, delta, dq, dk, dv, preprocess=None)
     where it reads other views than the others: a varlen call's packed rows as one batch element."""
     stream = _arrays.stream_of(call.q)
     q, k, v = call.q, call.k, call.v
-    extra = (_scale_arg(call), call.left, call.right, vector_staging(plan, q, k, v, dout), call.mod_values)
+    vec = vector_staging(plan, q, k, v, dout)
+    extra = (_scale_arg(call), call.left, call.right, vec)
     if preprocess is None:
         _launch(plan, 0, stream, NONE, out, dout, delta)
     else:
         _launch(plan, 0, stream, NONE, *preprocess[:3], grid=preprocess[3])
-    _launch(plan, 1, stream, call.mods, q, k, v, dout, lse, delta, dk, dv, *extra)
-    _launch(plan, 2, stream, call.mods, q, k, v, dout, lse, delta, dq, *extra)
+    maps = ((), ())
+    if isinstance(plan.tiles, tiling.WgmmaTiles) and plan.tiles.producer:
+        tiling.check_copy_engine(plan.tiles, vec)
+        maps = tuple((m,) for m in wgmma_ws_backward.tensor_map_args(q, k, v, dout, plan.tiles))
+    _launch(plan, 1, stream, call.mods, q, k, v, dout, lse, delta, dk, dv, *extra, *maps[0], call.mod_values)
+    _launch(plan, 2, stream, call.mods, q, k, v, dout, lse, delta, dq, *extra, *maps[1], call.mod_values)
 
 
 def _check_like(op, want, name, like_name):
@@ -379,7 +388,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         raise ValueError(f"lse must be attention's log-sum-exp: shape {want_lse} (({call.seqlen_q},) for a 2-D call), "
                          f"dtype {call.lse_dtype}; got shape {lse_op.shape}, dtype {lse_op.dtype}")
     with _device_context(call):
-        plan = _check_plan(plan, call, "backward") if plan is not None else _plan_for(call, backward=True)
+        plan = _check_plan(plan, call, "backward") if plan is not None else _plan_for(call, True, dout=ops[0])
         dq = _arrays.empty(call.q, call.q.shape, call.dtype)
         dk = _arrays.empty(call.q, call.k.shape, call.dtype)
         dv = _arrays.empty(call.q, call.v.shape, call.dtype)

@@ -231,15 +231,17 @@ WGMMA_TILES = {64: WgmmaTiles(192, 96, 3, producer=True, tma=True, pingpong=True
 WGMMA_MODIFIED_TILES = {64: WgmmaTiles(128, 128, 2, producer=True, tma=True, pingpong=True)}
 WGMMA_CP_ASYNC_TILES = {64: WgmmaTiles(128, 112, 2), 128: WgmmaTiles(128, 64, 2)}
 SIMULATOR_WGMMA_TILES = WgmmaTiles(64, 16, 1)
-# wgmma backward (compute capability 9.0), a ladder step no plan picks yet: square blocks as the mma.sync
-# backward's (`sim` counts one B_r = B_c), one warpgroup, because a warpgroup's 64 x D dK and dV beside its
-# 64 x 64 S and dP take 192 float32 registers per thread at headdim 128. On the H100 (fp16, N = 2048 and
-# 8192, causal and not, .bench/wgbwd.py) it ran 0.42-0.52x SDPA flash's backward against mma.sync's
-# 0.52-0.59x in the same run: 255 registers with 16 bytes of local memory in dK/dV, one warpgroup per
-# block and cp.async with a block barrier per tile leave the tensor cores idle while a warpgroup forms
-# P and dS. FlashAttention-3's answers (a producer warpgroup with bulk copies, two consumer warpgroups,
-# dQ accumulated once instead of recomputing S and dP in a second kernel) are the next steps.
-WGMMA_BACKWARD_TILES = {64: WgmmaTiles(64, 64, 1), 128: WgmmaTiles(64, 64, 1)}
+# wgmma backward (compute capability 9.0). v5 (`wgmma.ws_backward`): a producer warpgroup's bulk tensor copies
+# and two consumer warpgroups of 64 keys (dK/dV) or 64 query rows (dQ) each, streaming 64-row tiles. On the
+# H100 (fp16, N = 2048 and 8192, causal and not, .bench/wsbwd.py) it ran 0.89-0.98x SDPA flash's backward at
+# headdim 128 and 0.62-0.67x at 64, against mma.sync's 0.52-0.60x and 0.56-0.63x in the same run; three
+# stages ran no faster than two, 32-row streamed tiles slower (0.82-0.84x at 128), and 128-row ones spill
+# at 64 (dK/dV). v3 (`wgmma.backward`, no plan picks it): one warpgroup of square 64 x 64 blocks copying
+# with cp.async ran 0.42-0.52x, below mma.sync, with the tensor cores idle while it formed P and dS.
+WGMMA_BACKWARD_TILES = {64: WgmmaTiles(128, 64, 2, producer=True, tma=True),
+                        128: WgmmaTiles(128, 64, 2, producer=True, tma=True)}
+WGMMA_CP_ASYNC_BACKWARD_TILES = {64: WgmmaTiles(64, 64, 1), 128: WgmmaTiles(64, 64, 1)}
+SIMULATOR_WGMMA_BACKWARD_TILES = WgmmaTiles(64, 16, 1, producer=True, tma=True)
 # Tensor-core backward: square blocks, because `sim` counts one B_r = B_c for both passes (the dK/dV
 # kernel owns block_m keys and streams block_n queries; the dQ kernel the reverse). Up to headdim 64,
 # 4 warps of 2 m-tiles (H200, fp16, N = 2048 to 16384, causal and not: 0.54-0.65x SDPA flash, against
@@ -291,6 +293,13 @@ def uses_wgmma(dtype, device, headdim):
     Blackwell's sm_100 does not run), head dims 33 to 256."""
     return (dtype in ("float16", "bfloat16") and device.compute_capability == (9, 0)
             and WGMMA_MIN_HEADDIM <= headdim <= WGMMA_HEADDIMS[-1])
+
+
+def uses_wgmma_backward(dtype, device, headdim):
+    """The wgmma backward: as the forward (`uses_wgmma`) up to headdim 128, where a warpgroup's 64 x headdim dK
+    and dV accumulators still fit its registers; not on the simulator, whose plans keep mma.sync's (the
+    tests run the wgmma backward's emulation with `SIMULATOR_WGMMA_BACKWARD_TILES`)."""
+    return uses_wgmma(dtype, device, headdim) and headdim <= max(WGMMA_BACKWARD_TILES) and not device.simulator
 
 
 def check_copy_engine(tiles, aligned):
@@ -348,10 +357,12 @@ class Plan:
         t = self.tiles
         padded = f" padded to {self.headdim_padded}" if self.headdim_padded != self.headdim else ""
         if isinstance(t, WgmmaTiles) and self.direction == "backward":
-            owner = (f"{t.warpgroups} warpgroup(s), each owning 64 keys (dK/dV) or 64 query rows (dQ); wgmma "
-                     f"m64n{t.block_n}k16 (S and dP, operands in shared memory) and m64n{self.headdim_padded}k16 "
-                     "(dV, dK, dQ, P and dS from registers), float32 accumulators; streamed tiles in two stages filled "
-                     "by every thread's cp.async, 128-byte swizzle")
+            copies = (f"{t.stages}-stage rings filled by a producer warpgroup's bulk tensor copies (TMA) on mbarriers"
+                      if t.producer else "two stages filled by every thread's cp.async")
+            owner = (f"{t.warpgroups} {'consumer ' if t.producer else ''}warpgroup(s), each owning 64 keys (dK/dV) or "
+                     f"64 query rows (dQ), streaming {t.block_n}-row tiles; wgmma m64n{t.block_n}k16 (S and dP, "
+                     f"operands in shared memory) and m64n{self.headdim_padded}k16 (dV, dK, dQ, P and dS from "
+                     f"registers), float32 accumulators; streamed tiles in {copies}, 128-byte swizzle")
         elif isinstance(t, WgmmaTiles):
             copies = ("a producer warpgroup's bulk tensor copies (TMA) on mbarriers" if t.tma else
                       "a producer warpgroup's cp.async on mbarriers" if t.producer else "every thread's cp.async")
@@ -416,8 +427,8 @@ def _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, bac
     if backward and isinstance(tiles, WgmmaTiles) and headdim > max(WGMMA_BACKWARD_TILES):
         raise ValueError(f"the wgmma backward runs head dims up to {max(WGMMA_BACKWARD_TILES)}; got headdim {headdim}")
     if uses_tensor_cores(dtype, device) and (tiles is None or isinstance(tiles, (MmaTiles, WgmmaTiles))):
-        if backward and isinstance(tiles, WgmmaTiles):
-            return _wgmma_backward_plan(shape, device, tiles, packed)
+        if backward and (isinstance(tiles, WgmmaTiles) or (tiles is None and uses_wgmma_backward(dtype, device, headdim))):
+            return _wgmma_backward_plan(shape, device, tiles, aligned, packed)
         if not backward and (isinstance(tiles, WgmmaTiles) or (tiles is None and uses_wgmma(dtype, device, headdim))):
             return _wgmma_forward_plan(shape, device, tiles, aligned, packed, modified)
         if not backward:
@@ -550,26 +561,43 @@ def _wgmma_forward_plan(shape, device, tiles, aligned, packed, modified):
     return _plan(tiles.kernel, reason, shape, device, D, tiles, smem, registers)
 
 
-def _wgmma_backward_plan(shape, device, tiles, packed):
-    """The wgmma backward's plan: a ladder step that runs when its tiles are asked for (`WGMMA_BACKWARD_TILES`)."""
-    from .kernels.wgmma import backward as wgmma_backward
+def _wgmma_backward_plan(shape, device, tiles, aligned, packed):
+    """The wgmma backward's plan: v5 (`WGMMA_BACKWARD_TILES`) where the copy engine reads the operands, else
+    mma.sync's (`explain` says why); v3 or other tiles when asked for."""
+    from .kernels.wgmma import backward as wgmma_backward, ws_backward as wgmma_ws_backward
 
+    D = next(D for D in WGMMA_HEADDIMS if shape["headdim"] <= D)
+    if tiles is None:
+        why = ("packed (varlen) sequences, whose rows the bulk tensor copies' tensor maps do not locate" if packed else
+               "q, k, v or dout has a head dim that is not contiguous, not a multiple of 8 or not 16-byte aligned, "
+               "which the bulk tensor copy engine cannot read" if not aligned else "")
+        if why:
+            return _mma_backward_plan(shape, device, None, f"; the wgmma backward (v5) does not run {why}")
+        tiles = WGMMA_BACKWARD_TILES[D]
     if packed:
         raise ValueError(f"{tiles}: the wgmma backward does not take packed (varlen) sequences; use mma.sync's tiles")
-    if tiles.producer or tiles.block_m != tiles.block_n:
-        raise ValueError(f"the wgmma backward takes square tiles (block_m = block_n) without a producer; got {tiles}")
-    D = next(D for D in WGMMA_HEADDIMS if shape["headdim"] <= D)
-    smem = (wgmma_backward.smem_bytes_dkdv(D, tiles), wgmma_backward.smem_bytes_dq(D, tiles))
+    if tiles.producer and not tiles.tma or tiles.pingpong:
+        raise ValueError(f"the wgmma backward's producer issues bulk tensor copies (tma=True), without ping-pong; "
+                         f"got {tiles}")
+    if not tiles.producer and tiles.block_m != tiles.block_n:
+        raise ValueError(f"the wgmma backward without a producer takes square tiles (block_m = block_n); got {tiles}")
+    if tiles.producer and tiles.warpgroups not in wgmma_ws_backward.REGISTERS:
+        raise ValueError(f"the wgmma backward runs 1 or 2 consumer warpgroups beside its producer; got {tiles}")
+    check_copy_engine(tiles, aligned)
+    kernels = wgmma_ws_backward if tiles.producer else wgmma_backward
+    smem = (kernels.smem_bytes_dkdv(D, tiles), kernels.smem_bytes_dq(D, tiles))
     _check_smem("backward", smem, shape, device)
-    registers = 4 * (2 * tiles.block_m * D + 2 * tiles.block_m * tiles.block_n)  # dK and dV, S and dP
-    where = ("the CUDA simulator, whose wgmma and cp.async are emulations" if device.simulator
+    registers = 4 * (2 * 64 * tiles.warpgroups * D + 2 * tiles.block_m * tiles.block_n)  # dK and dV, S and dP
+    where = ("the CUDA simulator, whose wgmma and copies are emulations" if device.simulator
              else f"compute capability 9.0 ({device.name})")
     reason = (f"{shape['dtype']} on {where}: warpgroup tensor cores (wgmma), float32 accumulation; head dims padded "
               f"to 64 or 128; D = rowsum(dO * O) on the CUDA cores")
-    return _plan("wgmma_backward", reason, shape, device, D, tiles, smem, registers)
+    return _plan("wgmma_tma_backward" if tiles.producer else "wgmma_backward", reason, shape, device, D, tiles, smem,
+                 registers)
 
 
-def _mma_backward_plan(shape, device, tiles):
+def _mma_backward_plan(shape, device, tiles, hopper=""):
+    """``hopper``: why a Hopper GPU runs mma.sync here (from `_wgmma_backward_plan`), else worked out below."""
     from .kernels.mma import backward as mma_backward
 
     D = mma_headdim_bucket(shape["headdim"])
@@ -583,6 +611,6 @@ def _mma_backward_plan(shape, device, tiles):
     registers = 4 * (2 * tiles.block_m * D + 2 * tiles.block_m * chunk)  # dK and dV fragments, S and dP of a chunk
     reason = (f"{shape['dtype']} on {_mma_where(device)}: tensor cores, float32 accumulation; head dims padded to "
               f"16, 32, 64 or 128; score tiles in chunks of {chunk} columns; D = rowsum(dO * O) on the CUDA cores"
-              + ("; the wgmma backward (WGMMA_BACKWARD_TILES) ran slower on the H100 (0.42-0.52x SDPA flash against "
-                 "0.52-0.59x)" if device.compute_capability == (9, 0) and planned else ""))
+              + (hopper or (f"; the wgmma backward starts at headdim {WGMMA_MIN_HEADDIM}"
+                            if device.compute_capability == (9, 0) and planned and not device.simulator else "")))
     return _plan("mma_backward", reason, shape, device, D, tiles, smem, registers)

@@ -147,10 +147,14 @@ def _resolve(seqlen, headdim, sram_bytes, algorithm, seqlen_k, batch, nheads, nh
 
     ``check_fit``: refuse given blocks that do not fit M, as running the schedule would (`predict_io`
     runs nothing; `count_io`'s own overflow names the tiles)."""
+    key_pass = None
     if plan is not None:
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be None or a numbaflash.plan(...) result; got {type(plan).__name__}")
         algorithm, block_sizes, dq = "flash2", (plan.block_m, plan.block_n), plan.dq_strategy
+        # A backward kernel owns block_m rows and streams block_n in both passes: the dK/dV pass's blocks are
+        # the transpose of the dQ pass's.
+        key_pass = (plan.block_n, plan.block_m) if backward and plan.block_m != plan.block_n else None
         sram_bytes = plan.sram_bytes if sram_bytes is None else sram_bytes
         dtype_bytes = plan.dtype_bytes
     arguments.choice(algorithm, "algorithm", ALGORITHMS)
@@ -177,10 +181,11 @@ def _resolve(seqlen, headdim, sram_bytes, algorithm, seqlen_k, batch, nheads, nh
     else:
         if not (isinstance(block_sizes, (tuple, list)) and len(block_sizes) == 2):
             raise ValueError(f"block_sizes must be a pair (B_r, B_c) of integers >= 1, got {block_sizes!r}")
-        blocks = block_rules.Blocks(*(arguments.positive_int(b, "block_sizes entries") for b in block_sizes))
+        blocks = block_rules.Blocks(*(arguments.positive_int(b, "block_sizes entries") for b in block_sizes),
+                                    dkdv=block_rules.Blocks(*key_pass) if key_pass else None)
     if block_sizes is not None and check_fit:
         # The schedules allocate exactly their footprint, so this is where `count_io` would overflow.
-        need = block_rules.footprint(algorithm, backward, headdim, blocks.rows, blocks.cols, dq)
+        need = block_rules.footprint(algorithm, backward, headdim, blocks.rows, blocks.cols, dq, key_pass)
         if algorithm == "standard":
             need = max(need, (2 if backward else 1) * seqlen_k)  # whole rows of S (and dP) for the softmax
         if need > M:

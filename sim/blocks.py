@@ -13,13 +13,22 @@ from .hierarchy import SramOverflow
 
 @dataclass(frozen=True)
 class Blocks:
-    """Query rows per block (B_r) and keys per block (B_c)."""
+    """Query rows per block (B_r) and keys per block (B_c). ``dkdv``: the two-pass backward's dK/dV pass's
+    own blocks where they differ: a kernel that owns ``block_m`` rows and streams ``block_n`` in both passes
+    (the Hopper backward) has B_r x B_c = block_m x block_n in the dQ pass and block_n x block_m in the
+    dK/dV pass."""
 
     rows: int
     cols: int
+    dkdv: "Blocks | None" = None
+
+    @property
+    def key_pass(self):
+        """The dK/dV pass's blocks."""
+        return self.dkdv or self
 
 
-def footprint(algorithm, backward, d, br, bc, dq="accumulate"):
+def footprint(algorithm, backward, d, br, bc, dq="accumulate", key_pass=None):
     """Elements resident in SRAM during the schedule's largest step with blocks ``br`` x ``bc``."""
     if algorithm == "standard":
         # A GEMM step: two operand tiles and one output tile.
@@ -36,9 +45,10 @@ def footprint(algorithm, backward, d, br, bc, dq="accumulate"):
     if dq == "accumulate":
         # K_j, V_j, dK_j, dV_j | Q_i, dO_i, dQ_i | LSE_i, D_i | S/P and dP/dS
         return 4 * bc * d + 3 * br * d + 2 * br + 2 * br * bc
-    # Two passes: dK/dV (K_j, V_j, dK_j, dV_j | Q_i, dO_i | LSE_i, D_i | S/P, dP/dS)
-    # and dQ (Q_i, dO_i, dQ_i | LSE_i, D_i | K_j, V_j | S/P, dP/dS).
-    dkdv = 4 * bc * d + 2 * br * d + 2 * br + 2 * br * bc
+    # Two passes: dK/dV (K_j, V_j, dK_j, dV_j | Q_i, dO_i | LSE_i, D_i | S/P, dP/dS) on ``key_pass`` blocks
+    # (B_r x B_c; by default the dQ pass's) and dQ (Q_i, dO_i, dQ_i | LSE_i, D_i | K_j, V_j | S/P, dP/dS).
+    kr, kc = key_pass or (br, bc)
+    dkdv = 4 * kc * d + 2 * kr * d + 2 * kr + 2 * kr * kc
     dqp = 3 * br * d + 2 * br + 2 * bc * d + 2 * br * bc
     return max(dkdv, dqp)
 

@@ -34,44 +34,81 @@ def test_production_tilings_on_small_shapes(dtype, headdim, kernel, arrays, pois
                    lambda *a, **kw: numbaflash.attention_backward(*a, plan=bwd, **kw), *arrays)
 
 
+# Head dims the bulk tensor copies can read (a multiple of 8), one padded.
 WGMMA_CASES = [Case(1, 70, 45, 2, 1, 64, "float16", causal=True, seed=21),
-               Case(1, 33, 70, 1, 1, 100, "bfloat16", window_size=(20, 3), seed=22)]
+               Case(1, 33, 70, 1, 1, 72, "bfloat16", window_size=(20, 3), seed=22)]
 
 
-@pytest.mark.parametrize("case", WGMMA_CASES)
-def test_wgmma_backward_matches_reference(case, arrays, poisoned):
-    """The Hopper backward (one warpgroup of 64 keys or rows, 64-wide streamed tiles): masks, GQA, odd
-    lengths over several tiles, a padded head dim, both dtypes."""
+@pytest.mark.parametrize("case,tiles", [(c, tiling.SIMULATOR_WGMMA_BACKWARD_TILES) for c in WGMMA_CASES]
+                         + [(WGMMA_CASES[0], tiling.WGMMA_CP_ASYNC_BACKWARD_TILES[64])])
+def test_wgmma_backward_matches_reference(case, tiles, arrays, poisoned):
+    """The Hopper backwards: v5 (a producer's bulk tensor copies through a ring of 16-row tiles, one consumer
+    warpgroup of 64 keys or rows) and v3 (cp.async, 64-row tiles): masks, GQA, odd lengths over several tiles, a
+    padded head dim, both dtypes."""
     shape = (case.batch, case.nheads, case.nheads_kv, case.seqlen_q, case.seqlen_k, case.headdim, case.dtype)
-    bwd = tiling.make_plan(*shape, backward=True, tiles=tiling.WGMMA_BACKWARD_TILES[64])
-    assert bwd.kernel == "wgmma_backward" and "64 keys (dK/dV)" in bwd.describe()
-    default = tiling.make_plan(*shape, backward=True, device=HOPPER)  # slower on the H100: a ladder step for now
-    assert default.kernel == "mma_backward" and "the wgmma backward" in default.reason
+    bwd = tiling.make_plan(*shape, backward=True, tiles=tiles)
+    assert bwd.kernel == ("wgmma_tma_backward" if tiles.producer else "wgmma_backward")
+    assert "64 keys (dK/dV)" in bwd.describe() and ("TMA" in bwd.describe()) == tiles.producer
     check_backward(case, numbaflash.attention, lambda *a, **kw: numbaflash.attention_backward(*a, plan=bwd, **kw),
                    *arrays)
 
 
+def test_hopper_backward_plans():
+    """v5 wherever the copy engine reads the operands, mma.sync with the reason otherwise; the producer's
+    ring over several stages."""
+    shape = (2, 4, 2, 300, 200)
+    for headdim, D in ((40, 64), (64, 64), (72, 128), (128, 128)):
+        plan = tiling.make_plan(*shape, headdim, "bfloat16", backward=True, device=HOPPER)
+        assert plan.kernel == "wgmma_tma_backward" and plan.tiles == tiling.WGMMA_BACKWARD_TILES[D]
+        assert [launch.threads for launch in plan.launches[1:]] == [384, 384]
+        assert plan.launches[1].grid == (2, 2, 2) and plan.launches[2].grid == (3, 4, 2)  # 128 keys, 128 rows a block
+    for options, why in (({"aligned": False}, "not 16-byte aligned"), ({"packed": True}, "packed (varlen)")):
+        plan = tiling.make_plan(*shape, 64, "float16", backward=True, device=HOPPER, **options)
+        assert plan.kernel == "mma_backward" and why in plan.reason and "wgmma backward (v5)" in plan.reason
+    plan = tiling.make_plan(*shape, 32, "float16", backward=True, device=HOPPER)
+    assert plan.kernel == "mma_backward" and "starts at headdim 33" in plan.reason
+    simulated = tiling.make_plan(*shape, 64, "float16", backward=True, device=tiling.current_device())
+    assert simulated.kernel in ("mma_backward", "wgmma_tma_backward")  # the simulator's, or this GPU's
+
+
 def test_wgmma_backward_refuses_what_it_cannot_run():
+    producer = dict(producer=True, tma=True)
     for tiles, match in ((tiling.WgmmaTiles(64, 16, 1), "square tiles"),
-                         (tiling.WgmmaTiles(128, 128, 2, producer=True), "square tiles"),
-                         (tiling.WgmmaTiles(64, 64, 1), "packed")):
+                         (tiling.WgmmaTiles(128, 64, 2, producer=True), "tma=True"),
+                         (tiling.WgmmaTiles(128, 64, 2, pingpong=True, **producer), "without ping-pong"),
+                         (tiling.WgmmaTiles(192, 64, 3, **producer), "1 or 2 consumer warpgroups"),
+                         (tiling.WgmmaTiles(64, 64, 1), "packed"),
+                         (tiling.WGMMA_BACKWARD_TILES[64], "packed")):
         with pytest.raises(ValueError, match=match):
             tiling.make_plan(1, 2, 2, 64, 64, 64, "float16", backward=True, tiles=tiles, packed=match == "packed")
+    with pytest.raises(ValueError, match="bulk tensor copy engine"):
+        tiling.make_plan(1, 2, 2, 64, 64, 64, "float16", backward=True, tiles=tiling.WGMMA_BACKWARD_TILES[64],
+                         aligned=False)
     with pytest.raises(ValueError, match="wgmma backward runs head dims up to 128"):
         tiling.make_plan(1, 2, 2, 64, 64, 200, "float16", backward=True, tiles=tiling.WgmmaTiles(64, 64, 1))
 
 
-def test_sim_counts_the_wgmma_backward_schedule():
-    """`sim` counts the wgmma backward's schedule as it counts the mma.sync one's, and `sim.hardware` walks its
-    launches (cp.async tiles, LSE and D staged as the mma.sync dK/dV kernel stages them)."""
+@pytest.mark.parametrize("tiles", [tiling.WGMMA_CP_ASYNC_BACKWARD_TILES[64], tiling.WGMMA_BACKWARD_TILES[64]])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sim_counts_the_wgmma_backward_schedule(tiles, causal):
+    """`sim` counts the wgmma backwards' schedules as it counts the mma.sync one's, v5's with its own blocks in
+    each pass (128 keys streaming 64 query rows, then 128 rows streaming 64 keys), and `sim.hardware` walks
+    their launches (cp.async tiles, or bulk tensor copies with LSE and D loaded by the producer's first warp)."""
     import sim.hardware
 
-    plan = tiling.make_plan(1, 2, 1, 300, 300, 64, "float16", backward=True, tiles=tiling.WGMMA_BACKWARD_TILES[64],
-                            device=HOPPER)
-    counted = sim.count_io(300, 64, plan=plan, causal=True, backward=True)
-    assert counted.total == counted.predicted["total"]
-    traffic = {k.kernel: k for k in sim.hardware.predict(plan, gpu=sim.hardware.H100).kernels}
-    assert traffic["wgmma_backward_dkdv"].copy_bytes > 0 and traffic["wgmma_backward_dq"].copy_bytes > 0
+    plan = tiling.make_plan(1, 2, 1, 300, 250, 64, "float16", backward=True, tiles=tiles, device=HOPPER)
+    counted = sim.count_io(300, 64, seqlen_k=250, nheads=2, nheads_kv=1, plan=plan, causal=causal, backward=True)
+    assert counted.matches_prediction and counted.max_rel_error < 1e-10
+    predicted = sim.predict_io(300, 64, seqlen_k=250, nheads=2, nheads_kv=1, plan=plan, causal=causal, backward=True)
+    assert predicted["total"] == counted.total
+    if tiles.producer:  # the dK/dV pass reads Q once per 128-key block: fewer reads than 64 x 64 blocks
+        square = tiling.make_plan(1, 2, 1, 300, 250, 64, "float16", backward=True, device=HOPPER,
+                                  tiles=tiling.WGMMA_CP_ASYNC_BACKWARD_TILES[64])
+        assert counted.per_tensor["Q"]["reads"] < sim.count_io(300, 64, seqlen_k=250, nheads=2, nheads_kv=1, plan=square,
+                                                               causal=causal, backward=True).per_tensor["Q"]["reads"]
+    traffic = {k.kernel: k for k in sim.hardware.predict(plan, causal=causal, gpu=sim.hardware.H100).kernels}
+    moved = "tma_bytes" if tiles.producer else "copy_bytes"
+    assert getattr(traffic[plan.kernel + "_dkdv"], moved) > 0 and getattr(traffic[plan.kernel + "_dq"], moved) > 0
 
 
 def test_tensor_core_backward_with_one_m_tile_per_warp(arrays, poisoned):

@@ -266,8 +266,10 @@ def test_tensor_core_kernels_sass_has_their_mma_and_no_local_memory(dtype, headd
     if backward and headdim > 128:
         assert plan.kernel == "simt_backward" and "headdim 256 > 128" in plan.reason
         return
-    hopper = not backward and tiling.uses_wgmma(dtype, tiling.current_device(), headdim)
-    assert plan.kernel == ("mma_backward" if backward else plan.tiles.kernel if hopper else "mma_forward")
+    device = tiling.current_device()
+    hopper = (tiling.uses_wgmma_backward if backward else tiling.uses_wgmma)(dtype, device, headdim)
+    assert plan.kernel == ("wgmma_tma_backward" if backward and hopper else "mma_backward" if backward else
+                           plan.tiles.kernel if hopper else "mma_forward")
     for launch in plan.launches:
         if launch.kernel == "simt_backward_preprocess":
             continue  # the backward's D = rowsum(dO * O) runs on the CUDA cores

@@ -101,6 +101,17 @@ def test_backward(dtype, name, arrays, poisoned):
     check_backward(case_of(name, dtype), numbaflash.attention, numbaflash.attention_backward, *arrays)
 
 
+def test_wgmma_backward(arrays, poisoned, mode):
+    """The Hopper backward (v5, the simulator's tiles) applies the modifications through the `kernels.gradients`
+    steps that mma.sync, which runs all three combinations, shares; on the simulator it runs one, a GPU all."""
+    for name in COMBINATIONS if mode == "gpu" else ["prefix LM, softcap, temperature"]:
+        case = case_of(name, "bfloat16")
+        plan = tiling.make_plan(BATCH, NHEADS, NHEADS_KV, SEQLEN_Q, SEQLEN_K, HEADDIM, "bfloat16", backward=True,
+                                tiles=tiling.SIMULATOR_WGMMA_BACKWARD_TILES, modified=True)
+        check_backward(case, numbaflash.attention, lambda *a, **kw: numbaflash.attention_backward(*a, plan=plan, **kw),
+                       *arrays)
+
+
 def test_full_tiles_modify_every_score_without_masking(arrays, poisoned):
     """Tiles that the mask leaves whole take the tensor-core forwards' branch-free path (`kernels.softmax.mask`):
     no causal mask, no mask_mod, rows that fill whole warps; the last key tile is partial."""
@@ -129,14 +140,14 @@ GPU_FAMILIES = {
 @pytest.mark.parametrize("family", GPU_FAMILIES)
 @pytest.mark.parametrize("name", COMBINATIONS)
 def test_forward_and_backward_at_real_sizes(family, name, arrays, poisoned):
-    """Odd lengths over many tiles; the backward (CUDA cores for float32, mma.sync for 16-bit) after the
-    forwards that have one of their family."""
+    """Odd lengths over many tiles; the backward with its default plan (CUDA cores for float32; 16-bit: wgmma
+    v5 on Hopper, mma.sync before) after one forward of each head dim and dtype it plans differently."""
     dtype, headdim, tiles = GPU_FAMILIES[family]
     seqlen_q, seqlen_k = 1000, 1537
     case = Case(2, seqlen_q, seqlen_k, 2, 1, headdim, dtype, causal=name == "softcap, ALiBi", seed=9,
                 modifications=modifications(name, seqlen_q, seqlen_k, seed=9))
     check_forward(case, forward_of(case, tiles), *arrays)
-    if family in ("simt", "mma"):
+    if family in ("simt", "mma", "wgmma v5 (d128)"):
         check_backward(case, numbaflash.attention, numbaflash.attention_backward, *arrays)
 
 

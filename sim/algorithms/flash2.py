@@ -137,5 +137,5 @@ def backward(h, p, blocks, ctx, dq="accumulate"):
                     h.fill("dQ", rows(b, hq, 0, p.seqlen_q), 0.0)
         _key_block_pass(h, p, blocks, ctx, accumulate_dq=True)
     else:
-        _key_block_pass(h, p, blocks, ctx, accumulate_dq=False)
+        _key_block_pass(h, p, blocks.key_pass, ctx, accumulate_dq=False)
         _query_block_pass(h, p, blocks, ctx)

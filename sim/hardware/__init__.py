@@ -186,6 +186,7 @@ WALKS = {"simt_forward": "forward", "mma_forward": "forward", "wgmma_forward": "
          "wgmma_ws_forward": "forward", "wgmma_tma_forward": "forward",
          "simt_backward_preprocess": "simt_backward_preprocess",
          "simt_backward_dkdv": "dkdv", "mma_backward_dkdv": "dkdv", "wgmma_backward_dkdv": "dkdv",
-         "simt_backward_dq": "dq", "mma_backward_dq": "dq", "wgmma_backward_dq": "dq"}
+         "wgmma_tma_backward_dkdv": "dkdv",
+         "simt_backward_dq": "dq", "mma_backward_dq": "dq", "wgmma_backward_dq": "dq", "wgmma_tma_backward_dq": "dq"}
 
 __all__ = ["Gpu", "H100", "HardwarePrediction", "KernelTraffic", "Operand", "predict", "tile_visits", "visible_scores"]

@@ -14,6 +14,7 @@ import numpy as np
 from numbaflash import masks
 from numbaflash.tiling import MmaTiles, WgmmaTiles
 from numbaflash.kernels.simt.tiles import vector_width
+from numbaflash.kernels.wgmma.ws_backward import STATS_THREADS
 
 from . import patterns
 from .sectors import LINE, box_bytes, copy_sectors, sectors, unique_bytes
@@ -266,7 +267,9 @@ def dkdv_blocks(walk, ledger):
     bk, bq = t.block_m, t.block_n
     mma = isinstance(t, (MmaTiles, WgmmaTiles))  # the tensor-core kernels stage LSE and D alike
     if mma:
-        rows_of = lambda q0: patterns.stats_rows_mma(q0, bq, t.threads)
+        # With a producer warpgroup its first warp loads them (`wgmma.ws_backward`), otherwise every thread.
+        loaders = STATS_THREADS if isinstance(t, WgmmaTiles) and t.producer else t.threads
+        rows_of = lambda q0: patterns.stats_rows_mma(q0, bq, loaders)
     else:
         r, c = patterns.simt_lanes(t.threads, t.cols_t)
         rows_of = lambda q0: np.concatenate([q0 + c * t.thread_n + a for a in range(t.thread_n)])

@@ -36,25 +36,18 @@ from numba import cuda, types
 from ...mods import NONE
 from ..blocks import TENSOR_CORE_FORWARD, query_block, write_hidden_rows
 from ..intrinsics import (cp_async_mbarrier_arrive, cp_async_wait_all, device_function, fence_proxy_async,
-                         mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_try_wait,
-                         named_barrier_arrive, named_barrier_sync, setmaxnreg_dec, setmaxnreg_inc, shared_address,
-                         tensormap_acquire, tma_load_4d, wgmma_commit, wgmma_fence, wgmma_wait0, wgmma_wait1)
+                         mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, named_barrier_arrive,
+                         named_barrier_sync, setmaxnreg_dec, setmaxnreg_inc, shared_address, tensormap_acquire,
+                         wgmma_commit, wgmma_fence, wgmma_wait0, wgmma_wait1)
 from ..fragments import fragment_writer
 from ..key_tiles import key_tiles
 from ..mods import kernel_type, modifiers
 from ..softmax import steps
 from . import tensor_maps
 from .forward import layout
-from .tiles import ALIGN, ATOM, advance, aligned_base, descriptors, pack_p, products, stager
+from .pipeline import BARRIER_ELEMENTS, PRODUCER, REGISTERS, bulk_copier, release, wait
+from .tiles import ALIGN, advance, aligned_base, descriptors, pack_p, products, stager
 
-PRODUCER = 128  # threads of the producer warpgroup
-BARRIER_ELEMENTS = 4  # 16-bit elements per 8-byte mbarrier
-# Registers per thread after setmaxnreg, by consumer warpgroups: the block starts with 65536 / threads
-# rounded down to 8 (168 at 384 threads, 128 at 512), and the consumers' raise must not exceed what the
-# producer's cut frees, or setmaxnreg.inc waits forever. The producer issues the copies with 24.
-REGISTERS = {1: (56, 256), 2: (24, 240), 3: (56, 152)}
-for _consumers, (_low, _high) in REGISTERS.items():
-    assert _low + _consumers * _high <= (_consumers + 1) * (65536 // (128 * (_consumers + 1)) // 8 * 8), _consumers
 # Ping-pong: consumer warpgroup w waits on named barrier TURN + w before it issues a tile's products and
 # then arrives on the next one's; each barrier completes with the waiting warpgroup and the arriving one.
 TURN, TURN_THREADS = 1, 256
@@ -86,7 +79,7 @@ def build(D, tiles, storage, mods=NONE):
     Q_FULL, K_FULL, V_FULL = BAR_AT, BAR_AT + BARRIER_ELEMENTS, BAR_AT + (1 + STAGES) * BARRIER_ELEMENTS
     K_EMPTY, V_EMPTY = BAR_AT + (1 + 2 * STAGES) * BARRIER_ELEMENTS, BAR_AT + (1 + 3 * STAGES) * BARRIER_ELEMENTS
     TILE_N = BLOCK_N * D  # elements of one K or V stage
-    TMA, ATOMS, PINGPONG = tiles.tma, D // ATOM, tiles.pingpong
+    TMA, PINGPONG = tiles.tma, tiles.pingpong
     if mods.packed:  # v5's tensor maps address the whole packed operands; v4, which could, runs in no plan
         raise ValueError(f"{tiles}: the producer-warpgroup kernels do not take packed (varlen) sequences")
     FULL_ARRIVALS = 1 if TMA else PRODUCER  # one thread issues the bulk copies; every copier arrives otherwise
@@ -102,11 +95,6 @@ def build(D, tiles, storage, mods=NONE):
                                          setmaxnreg_inc(REGISTERS[CONSUMERS][1]))
 
     @device_function
-    def wait(smem, barrier, parity):
-        while mbarrier_try_wait(smem, barrier, parity) == 0:
-            pass
-
-    @device_function
     def landed(smem, barrier, vec):
         # Copies arrive when they land; element-by-element stores are done, and the arrive releases them.
         if vec:
@@ -114,12 +102,12 @@ def build(D, tiles, storage, mods=NONE):
         else:
             mbarrier_arrive(smem, barrier)
 
+    copy_bulk = bulk_copier(D)
+
     @device_function
     def copy_tile(smem, dst, full, maps, which, head, row, b, rows):
-        # One box per swizzle atom of the head dim, all delivered to the `full` mbarrier.
-        mbarrier_arrive_expect_tx(smem, full, ATOMS * rows * ATOM * 2)
-        for a in range(ATOMS):
-            tma_load_4d(smem, dst + a * rows * ATOM, maps, which, a * ATOM, head, row, b, full)
+        mbarrier_arrive_expect_tx(smem, full, 2 * rows * D)
+        copy_bulk(smem, dst, full, maps, which, head, row, b, rows)
 
     @device_function
     def load_tile(smem, base, at, full, empty, it, src, maps, which, mod, b, h, hk, row_start, n_base, tid, vec):
@@ -177,14 +165,6 @@ def build(D, tiles, storage, mods=NONE):
         wait(smem, base + full + (it % STAGES) * BARRIER_ELEMENTS, (it // STAGES) & 1)
         if not TMA:
             fence_proxy_async()
-
-    @device_function
-    def release(smem, base, empty, it, ctid):
-        # One arrival per warpgroup: a wgmma is the warpgroup's, so once its wait returns in one thread, the
-        # product has read its whole tile. (An arrival by each of the 128 threads made the stage's mbarrier
-        # take 256 arrivals per tile.)
-        if ctid % 128 == 0:
-            mbarrier_arrive(smem, base + empty + (it % STAGES) * BARRIER_ELEMENTS)
 
     @device_function
     def softmax_scores(s, m_i, l_i, alpha, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k,
@@ -252,7 +232,7 @@ def build(D, tiles, storage, mods=NONE):
             wgmma_commit()
             next_turn(wg, 0, ntiles)
             wgmma_wait0()
-            release(smem, base, K_EMPTY, 0, ctid)
+            release(smem, base + K_EMPTY, ctid)
             softmax_scores(s, m_i, l_i, alpha, b, h, warp_row, g, t, tile_start(mod, b, h, row_start, n_base, 0), row_start,
                            row_end, seqlen_q, seqlen_k, left, right, scale_log2, bh, tile_full(mod, b, h, row_start, 0))
             rescale_o(acc, alpha)
@@ -271,11 +251,11 @@ def build(D, tiles, storage, mods=NONE):
                 wgmma_commit()
                 next_turn(wg, it, ntiles)
                 wgmma_wait1()  # S_it is done; P_{it-1} V_{it-1} may still run under the softmax below
-                release(smem, base, K_EMPTY, it, ctid)
+                release(smem, base + K_EMPTY + (it % STAGES) * BARRIER_ELEMENTS, ctid)
                 softmax_scores(s, m_i, l_i, alpha, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q,
                                seqlen_k, left, right, scale_log2, bh, tile_full(mod, b, h, row_start, it))
                 wgmma_wait0()  # O and P are no longer read by the tensor cores
-                release(smem, base, V_EMPTY, it - 1, ctid)
+                release(smem, base + V_EMPTY + ((it - 1) % STAGES) * BARRIER_ELEMENTS, ctid)
                 rescale_o(acc, alpha)
                 pack(p, s)
 

@@ -1,0 +1,59 @@
+"""What the warp-specialized wgmma kernels share: the producer warpgroup, its registers, and the mbarrier steps.
+
+A producer warpgroup (warpgroup 0) fills rings of tiles in shared memory; consumer warpgroups after it
+compute. Each ring stage has a "full" mbarrier, on which its copies land (bulk tensor copies by byte
+count, `copy_tile`), and an "empty" one, on which each consumer warpgroup arrives once it has read the
+stage (`release`). Used by the forward (`ws_forward`) and the backward (`ws_backward`).
+"""
+
+from ..intrinsics import device_function, mbarrier_arrive, mbarrier_try_wait, tma_load_4d
+from .tiles import ATOM
+
+PRODUCER = 128  # threads of the producer warpgroup
+BARRIER_ELEMENTS = 4  # 16-bit elements per 8-byte mbarrier
+# Registers per thread after setmaxnreg, by consumer warpgroups: the block starts with 65536 / threads
+# rounded down to 8 (168 at 384 threads, 128 at 512), and the consumers' raise must not exceed what the
+# producer's cut frees, or setmaxnreg.inc waits forever. The producer issues the copies with 24.
+REGISTERS = {1: (56, 256), 2: (24, 240), 3: (56, 152)}
+
+
+def check_registers(table):
+    """Refuse a table of ``{consumers: (producer's, consumers' registers)}`` whose raise would wait forever."""
+    for consumers, (low, high) in table.items():
+        if low + consumers * high > (consumers + 1) * (65536 // (128 * (consumers + 1)) // 8 * 8):
+            raise ValueError(f"{consumers} consumers of {high} registers beside a producer of {low} do not fit")
+    return table
+
+
+check_registers(REGISTERS)
+
+
+@device_function
+def wait(smem, barrier, parity):
+    """Until the phase of ``parity`` of the mbarrier at element ``barrier`` has completed."""
+    while mbarrier_try_wait(smem, barrier, parity) == 0:
+        pass
+
+
+@device_function
+def release(smem, barrier, ctid):
+    """A consumer warpgroup's one arrival on an empty mbarrier (``ctid``: the thread's index among the
+    consumers). A wgmma is the warpgroup's, so once its wait returns in one thread, the product has read its
+    whole tile; an arrival by each of the 128 threads made a stage's mbarrier take 256 arrivals per tile."""
+    if ctid % 128 == 0:
+        mbarrier_arrive(smem, barrier)
+
+
+def bulk_copier(D):
+    """``copy_tile(smem, dst, full, maps, which, head, row, b, rows)``: rows ``row ..`` of ``head`` of batch
+    element ``b`` through map ``which`` into the swizzled tile at element ``dst``, one box per swizzle atom of
+    head dim ``D``, landing on the ``full`` mbarrier; whoever issues them announces their ``2 rows D`` bytes
+    first (``mbarrier_arrive_expect_tx``)."""
+    ATOMS = D // ATOM
+
+    @device_function
+    def copy_tile(smem, dst, full, maps, which, head, row, b, rows):
+        for a in range(ATOMS):
+            tma_load_4d(smem, dst + a * rows * ATOM, maps, which, a * ATOM, head, row, b, full)
+
+    return copy_tile
