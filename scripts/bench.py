@@ -181,8 +181,9 @@ def run_case(dtype, headdim, seqlen, causal, backward, tilings=None, memory=Fals
         tensor_cores = (tiling.MmaTiles, tiling.WgmmaTiles)
         planned = isinstance(numbaflash.plan(q, k, v, causal=causal, backward=backward).tiles, tensor_cores)
         for tiles in (t for t in tilings if isinstance(t, tensor_cores) == planned):
-            if backward and (isinstance(tiles, tiling.WgmmaTiles) or tiles.block_m != tiles.block_n):
-                continue  # the backward's two passes share one square block; wgmma runs the forward only
+            if backward and tiles.block_m != tiles.block_n and not (isinstance(tiles, tiling.WgmmaTiles)
+                                                                    and tiles.producer):
+                continue  # the backward's two passes share one square block, except v5's (`tiling`)
             try:
                 p = tiling.make_plan(batch, NHEADS, NHEADS, seqlen, seqlen, headdim, dtype, backward=backward,
                                      tiles=tiles)
@@ -336,10 +337,11 @@ def save(results, out):
 
 
 def tiling_candidates():
-    """Tilings worth comparing (`numbaflash.tiling` explains the fields); the backward takes the square ones."""
+    """Tilings worth comparing (`numbaflash.tiling` explains the fields); the backward takes the square ones
+    and v5's."""
     from numbaflash.tiling import MmaTiles, Tiles, WgmmaTiles
 
-    return [WgmmaTiles(128, 64, 2), WgmmaTiles(128, 96, 2), WgmmaTiles(128, 112, 2), WgmmaTiles(128, 128, 2),
+    return [WgmmaTiles(128, 64, 2, producer=True, tma=True), WgmmaTiles(128, 64, 2), WgmmaTiles(128, 96, 2), WgmmaTiles(128, 112, 2), WgmmaTiles(128, 128, 2),
             WgmmaTiles(192, 64, 3), WgmmaTiles(64, 128, 1),
             Tiles(64, 64, 4, 4), Tiles(64, 32, 4, 2), Tiles(128, 64, 4, 4), Tiles(32, 32, 2, 2),
             MmaTiles(64, 64, 4), MmaTiles(128, 128, 8), MmaTiles(32, 32, 2), MmaTiles(128, 64, 4, 2),

@@ -20,10 +20,11 @@ def test_backward_matches_reference(case, arrays, poisoned):
     check_backward(case, numbaflash.attention, numbaflash.attention_backward, *arrays)
 
 
-@pytest.mark.parametrize("dtype,headdim,kernel", [("float16", 40, "mma_backward"), ("bfloat16", 200, "simt_backward"),
+@pytest.mark.parametrize("dtype,headdim,kernel", [("float16", 40, "wgmma_tma_backward"), ("bfloat16", 200, "simt_backward"),
                                                   ("float64", 256, "simt_backward")])
 def test_production_tilings_on_small_shapes(dtype, headdim, kernel, arrays, poisoned):
-    """The H100's own block sizes (4 warps of 32 keys or rows; 256 threads on the CUDA cores), on the simulator."""
+    """The H100's own block sizes (wgmma v5: two consumer warpgroups beside a producer; 256 threads on the CUDA
+    cores), on the simulator."""
     case = Case(1, 11, 19, 2, 1, headdim, dtype, causal=True, seed=4)
     to_device, _ = arrays
     q, k, v = (to_device(x) for x in inputs(case))
@@ -185,6 +186,8 @@ def test_explain_names_the_tensor_core_backward(arrays):
     to_device, _ = arrays
     q, k, v = (to_device(x) for x in inputs(Case(1, 64, 64, 4, 2, 64, "bfloat16")))
     text = numbaflash.explain(q, k, v, causal=True, backward=True)
-    rows = numbaflash.plan(q, k, v, causal=True, backward=True).tiles.rows_per_warp  # 32: two m-tiles per warp
-    assert "mma_backward_dkdv" in text and "mma_backward_dq" in text and f"{rows} keys (dK/dV)" in text
+    plan = numbaflash.plan(q, k, v, causal=True, backward=True)  # mma.sync, or on Hopper wgmma v5
+    rows = 64 if plan.kernel == "wgmma_tma_backward" else plan.tiles.rows_per_warp  # 32: two m-tiles per warp
+    assert plan.kernel in ("mma_backward", "wgmma_tma_backward")
+    assert f"{plan.kernel}_dkdv" in text and f"{plan.kernel}_dq" in text and f"{rows} keys (dK/dV)" in text
     assert "GQA" in text and "standard attention" in text

@@ -136,7 +136,7 @@ def build_dkdv(D, tiles, storage, mods=NONE):
             mbarrier_init(smem, base + KV_FULL, 1)
             for s in range(STAGES):
                 mbarrier_init(smem, base + FULL + s * BARRIER_ELEMENTS, 1 + STATS_THREADS)
-                mbarrier_init(smem, base + EMPTY + s * BARRIER_ELEMENTS, CONSUMERS)
+                mbarrier_init(smem, base + EMPTY + s * BARRIER_ELEMENTS, 128 * CONSUMERS)
         cuda.syncthreads()
 
         if tid < PRODUCER:
@@ -199,7 +199,10 @@ def build_dkdv(D, tiles, storage, mods=NONE):
                 accumulate(dk_acc, d_s, smem, advance(q_mn, at))  # dK += dS^T Q
                 wgmma_commit()
                 wgmma_wait0()
-                release(smem, base + EMPTY + stage * BARRIER_ELEMENTS, ctid)
+                # Every thread arrives: each read the stage's LSE and D with ordinary loads, which its arrival
+                # orders before the producer's next stores (with one arrival per warpgroup, as for tiles only
+                # wgmma reads, compute-sanitizer's racecheck reported those stores racing the other threads' reads).
+                mbarrier_arrive(smem, base + EMPTY + stage * BARRIER_ELEMENTS)
 
         # dK = scale dS^T Q with scale = scale_log2 ln(2) (the scale argument with modifications); the rows past
         # seqlen_k are dropped.
