@@ -15,6 +15,10 @@ dS on the CUDA cores the tensor cores run the other's products.
   dK += dS^T Q.
 * ``dq``: one block per (query block, head, batch element); Q and dO once, then K and V tiles through
   the ring: S = Q K^T, dP = dO V^T, dS, dQ += dS K, the rows' LSE and D in registers.
+
+On the H100 (fp16 and bf16, N = 2048 to 16384, causal and not; scripts/bench.py) it ran 0.81-0.98x SDPA
+flash's backward at headdim 128 and 0.58-0.75x at 64, against mma.sync's 0.51-0.63x; `tiling` keeps the
+tile comparison.
 """
 
 from numba import cuda, types
