@@ -341,8 +341,8 @@ def tiling_candidates():
     and v5's."""
     from numbaflash.tiling import MmaTiles, Tiles, WgmmaTiles
 
-    return [WgmmaTiles(128, 64, 2, producer=True, tma=True), WgmmaTiles(128, 64, 2), WgmmaTiles(128, 96, 2), WgmmaTiles(128, 112, 2), WgmmaTiles(128, 128, 2),
-            WgmmaTiles(192, 64, 3), WgmmaTiles(64, 128, 1),
+    return [WgmmaTiles(128, 64, 2, producer=True, tma=True), WgmmaTiles(128, 64, 2), WgmmaTiles(128, 96, 2),
+            WgmmaTiles(128, 112, 2), WgmmaTiles(128, 128, 2), WgmmaTiles(192, 64, 3), WgmmaTiles(64, 128, 1),
             Tiles(64, 64, 4, 4), Tiles(64, 32, 4, 2), Tiles(128, 64, 4, 4), Tiles(32, 32, 2, 2),
             MmaTiles(64, 64, 4), MmaTiles(128, 128, 8), MmaTiles(32, 32, 2), MmaTiles(128, 64, 4, 2),
             MmaTiles(128, 32, 4, 2), MmaTiles(256, 64, 8, 2), MmaTiles(256, 32, 8, 2)]

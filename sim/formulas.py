@@ -102,16 +102,15 @@ def predicted(algorithm, backward, p, blocks, dq="accumulate"):
         r.update(Q=bh * m.seen * d, K=bh * m.keys * d, V=bh * m.keys * d)
         w.update(O=bh * nq * d, LSE=bh * nq)
     else:
-        if dq != "accumulate":
-            m = mask_sums(p, blocks.key_pass)  # the dK/dV pass's own blocks; the dQ pass's are `blocks`
-        r.update(O=bh * nq * d, dO=bh * (nq + m.pairs) * d, D=bh * m.pairs, LSE=bh * m.pairs,
-                 Q=bh * m.pairs * d, K=bhk * m.union * d, V=bhk * m.union * d)
+        # The key pass's sums: a two-pass schedule's dK/dV pass may run its own blocks; the dQ pass runs `blocks`.
+        k = mask_sums(p, blocks.dkdv) if dq != "accumulate" and blocks.dkdv else m
+        r.update(O=bh * nq * d, dO=bh * (nq + k.pairs) * d, D=bh * k.pairs, LSE=bh * k.pairs,
+                 Q=bh * k.pairs * d, K=bhk * k.union * d, V=bhk * k.union * d)
         w.update(D=bh * nq, dK=bhk * nk * d, dV=bhk * nk * d)
         if dq == "accumulate":
-            r["dQ"] = bh * m.pairs * d
-            w["dQ"] = bh * (nq + m.pairs) * d
+            r["dQ"] = bh * k.pairs * d
+            w["dQ"] = bh * (nq + k.pairs) * d
         else:  # the dQ pass: Q_i, dO_i, LSE_i, D_i once per query block that sees a key, K and V streamed
-            m = mask_sums(p, blocks)
             for name, n in (("Q", m.seen * d), ("dO", m.seen * d), ("LSE", m.seen), ("D", m.seen),
                             ("K", m.keys * d), ("V", m.keys * d)):
                 r[name] += bh * n

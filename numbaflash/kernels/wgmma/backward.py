@@ -26,7 +26,7 @@ from ...mods import NONE
 from ..blocks import key_block, query_block, tensor_core_backward
 from ..fragments import fill, fragment_writer
 from ..gradients import row_steps, stats_stager, transposed_steps
-from ..intrinsics import (cp_async_commit, cp_async_wait_all, cp_async_wait_one, fence_proxy_async,
+from ..intrinsics import (cp_async_commit, cp_async_wait_all, cp_async_wait_one, device_function, fence_proxy_async,
                          shared_address, wgmma_commit, wgmma_fence, wgmma_wait0, wgmma_wait1)
 from ..mods import modifiers
 from .tiles import ALIGN, ATOM, advance, aligned_base, operand, pack_p, products, stager
@@ -54,6 +54,89 @@ def smem_bytes_dq(D, tiles):
     return 2 * layout_dq(D, tiles)[-1] + ALIGN
 
 
+def dkdv_step(D, tiles, storage, mods=NONE):
+    """``(operands, step)`` of the dK/dV kernels (v3 and v5): ``operands(address, k_at, v_at, q_at, do_at, wg)``
+    gives the descriptors ``(k, v, q, do, q_mn, do_mn)`` of a block's tiles (warpgroup ``wg``'s 64 keys of K
+    and V; the first stage of the streamed Q and dO, K-major and MN-major); ``step(smem, descs, at, ...)`` runs
+    one streamed query tile ``at`` bytes into the stages: S^T = K Q^T and dP^T = V dO^T together, P^T while
+    dP^T runs, dV += P^T dO, dS^T while that runs, dK += dS^T Q."""
+    BLOCK_M, BLOCK_N = tiles.block_m, tiles.block_n
+    scores, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage)
+    pack = pack_p(BLOCK_N, storage)
+    probabilities, ds = transposed_steps(1, BLOCK_N // 8, mods)
+
+    @device_function
+    def operands(address, k_at, v_at, q_at, do_at, wg):
+        return (operand(address, k_at + wg * 64 * ATOM, BLOCK_M, False),
+                operand(address, v_at + wg * 64 * ATOM, BLOCK_M, False),
+                operand(address, q_at, BLOCK_N, False), operand(address, do_at, BLOCK_N, False),
+                operand(address, q_at, BLOCK_N, True), operand(address, do_at, BLOCK_N, True))
+
+    @device_function
+    def step(smem, descs, at, s, dp, dlogit, p, d_s, dk_acc, dv_acc, stats, st, q_start, warp_key, key_start, g, t,
+             seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh):
+        k_desc, v_desc, q_desc, do_desc, q_mn, do_mn = descs
+        wgmma_fence()
+        scores(s, smem, k_desc, advance(q_desc, at))  # S^T = K Q^T
+        wgmma_commit()
+        scores(dp, smem, v_desc, advance(do_desc, at))  # dP^T = V dO^T
+        wgmma_commit()
+        wgmma_wait1()  # S^T is done; dP^T may still run under P^T below
+        probabilities(s, dlogit, stats, st, q_start, 0, warp_key, key_start, key_start + BLOCK_M, g, t, seqlen_q,
+                      seqlen_k, left, right, scale_log2, b, h, bh)
+        pack(p, s)
+        wgmma_fence()
+        accumulate(dv_acc, p, smem, advance(do_mn, at))  # dV += P^T dO
+        wgmma_commit()
+        wgmma_wait1()  # dP^T is done; dV's product may still run under dS^T below
+        ds(s, dp, dlogit, stats, st + BLOCK_N, t)
+        pack(d_s, dp)
+        wgmma_fence()
+        accumulate(dk_acc, d_s, smem, advance(q_mn, at))  # dK += dS^T Q
+        wgmma_commit()
+        wgmma_wait0()
+
+    return operands, step
+
+
+def dq_step(D, tiles, storage, mods=NONE):
+    """``(operands, step)`` of the dQ kernels (v3 and v5): ``operands(address, q_at, do_at, k_at, v_at, wg)``
+    gives ``(q, do, k, v, k_mn)`` (warpgroup ``wg``'s 64 rows of Q and dO; the first stage of the streamed K,
+    K-major and MN-major, and V); ``step(smem, descs, at, ...)`` runs one streamed key tile ``at`` bytes into
+    the stages: S = Q K^T and dP = dO V^T, dS, dQ += dS K."""
+    BLOCK_M, BLOCK_N = tiles.block_m, tiles.block_n
+    scores, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage)
+    pack = pack_p(BLOCK_N, storage)
+    _, ds = row_steps(1, BLOCK_N // 8, mods)
+
+    @device_function
+    def operands(address, q_at, do_at, k_at, v_at, wg):
+        return (operand(address, q_at + wg * 64 * ATOM, BLOCK_M, False),
+                operand(address, do_at + wg * 64 * ATOM, BLOCK_M, False),
+                operand(address, k_at, BLOCK_N, False), operand(address, v_at, BLOCK_N, False),
+                operand(address, k_at, BLOCK_N, True))
+
+    @device_function
+    def step(smem, descs, at, s, dp, d_s, dq_acc, lse2, dsum, lo_r, hi_r, row_start, row_end, warp_row, n_start, g, t,
+             seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh):
+        q_desc, do_desc, k_desc, v_desc, k_mn = descs
+        wgmma_fence()
+        scores(s, smem, q_desc, advance(k_desc, at))  # S = Q K^T
+        wgmma_commit()
+        scores(dp, smem, do_desc, advance(v_desc, at))  # dP = dO V^T
+        wgmma_commit()
+        wgmma_wait0()
+        full = masks.tile_is_full(row_start, row_end, n_start, n_start + BLOCK_N, seqlen_q, seqlen_k, left, right)
+        ds(s, dp, lse2, dsum, lo_r, hi_r, full, warp_row, n_start, g, t, seqlen_q, seqlen_k, scale_log2, b, h, bh)
+        pack(d_s, dp)
+        wgmma_fence()
+        accumulate(dq_acc, d_s, smem, advance(k_mn, at))  # dQ += dS K
+        wgmma_commit()
+        wgmma_wait0()
+
+    return operands, step
+
+
 def build_dkdv(D, tiles, storage, mods=NONE):
     """The dK/dV kernel for padded head dim ``D`` (64 or 128), `WgmmaTiles` and float16/bfloat16."""
     BLOCK_M, BLOCK_N, WARPGROUPS = tiles.block_m, tiles.block_n, tiles.warpgroups
@@ -62,10 +145,8 @@ def build_dkdv(D, tiles, storage, mods=NONE):
     K_AT, V_AT, Q_AT, DO_AT, STATS_AT, _ = layout_dkdv(D, tiles)
     TILE = BLOCK_N * D  # elements of one Q or dO stage
     stage_kv, stage_q = stager(D, BLOCK_M, THREADS), stager(D, BLOCK_N, THREADS)
-    scores, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage)
-    pack = pack_p(BLOCK_N, storage)
+    operands, step = dkdv_step(D, tiles, storage, mods)
     load_stats, store_stats, PER_THREAD = stats_stager(BLOCK_N, THREADS)
-    probabilities, ds = transposed_steps(1, NT, mods)
     modifier = modifiers(mods, types.float32, fast=True)
     prepare, natural = modifier.prepare, modifier.natural
     write_grad = fragment_writer(D, storage)
@@ -102,13 +183,9 @@ def build_dkdv(D, tiles, storage, mods=NONE):
             next_stat = cuda.local.array(PER_THREAD, types.float32)
             load_stats(next_stat, lse, delta, b, hk * group, q_first, tid)
             store_stats(stats, stats_at, next_stat, tid)
-            address = shared_address(smem, base)
             # A: the warpgroup's 64 keys of K and V; B: the streamed Q and dO, K-major for S^T and dP^T,
             # MN-major for dK and dV.
-            k_desc = operand(address, K_AT + wg * 64 * ATOM, BLOCK_M, False)
-            v_desc = operand(address, V_AT + wg * 64 * ATOM, BLOCK_M, False)
-            q_desc, do_desc = operand(address, Q_AT, BLOCK_N, False), operand(address, DO_AT, BLOCK_N, False)
-            q_mn, do_mn = operand(address, Q_AT, BLOCK_N, True), operand(address, DO_AT, BLOCK_N, True)
+            descs = operands(shared_address(smem, base), K_AT, V_AT, Q_AT, DO_AT, wg)
             s = cuda.local.array((NT, 4), types.float32)  # S^T, then P^T: 64 keys x BLOCK_N queries
             dp = cuda.local.array((NT, 4), types.float32)  # dP^T, then dS^T
             dlogit = cuda.local.array((NT, 4), types.float32)  # with modifications: d modified / d score
@@ -137,25 +214,8 @@ def build_dkdv(D, tiles, storage, mods=NONE):
                 fence_proxy_async()  # cp.async wrote through the generic proxy; wgmma reads through the async one
                 cuda.syncthreads()  # every thread's copies and statistics of this tile are visible
 
-                wgmma_fence()
-                scores(s, smem, k_desc, advance(q_desc, 2 * at))  # S^T = K Q^T
-                wgmma_commit()
-                scores(dp, smem, v_desc, advance(do_desc, 2 * at))  # dP^T = V dO^T
-                wgmma_commit()
-                wgmma_wait1()  # S^T is done; dP^T may still run under P^T below
-                probabilities(s, dlogit, stats, st, q_start, 0, warp_key, key_start, key_start + BLOCK_M, g, t,
-                              seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh)
-                pack(p, s)
-                wgmma_fence()
-                accumulate(dv_acc, p, smem, advance(do_mn, 2 * at))  # dV += P^T dO
-                wgmma_commit()
-                wgmma_wait1()  # dP^T is done; dV's product may still run under dS^T below
-                ds(s, dp, dlogit, stats, st + BLOCK_N, t)
-                pack(d_s, dp)
-                wgmma_fence()
-                accumulate(dk_acc, d_s, smem, advance(q_mn, 2 * at))  # dK += dS^T Q
-                wgmma_commit()
-                wgmma_wait0()
+                step(smem, descs, 2 * at, s, dp, dlogit, p, d_s, dk_acc, dv_acc, stats, st, q_start, warp_key,
+                     key_start, g, t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh)
                 if it + 1 < ntiles:
                     store_stats(stats, stats_at + ((it + 1) % 2) * 2 * BLOCK_N, next_stat, tid)
                 cuda.syncthreads()  # this stage is free for the copies issued at the top of the next iteration
@@ -177,9 +237,8 @@ def build_dq(D, tiles, storage, mods=NONE):
     Q_AT, DO_AT, K_AT, V_AT, _ = layout_dq(D, tiles)
     TILE = BLOCK_N * D  # elements of one K or V stage
     stage_q, stage_kv = stager(D, BLOCK_M, THREADS), stager(D, BLOCK_N, THREADS)
-    scores, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage)
-    pack = pack_p(BLOCK_N, storage)
-    rows, ds = row_steps(1, NT, mods)
+    operands, step = dq_step(D, tiles, storage, mods)
+    rows, _ = row_steps(1, NT, mods)
     modifier = modifiers(mods, types.float32, fast=True)
     prepare, natural = modifier.prepare, modifier.natural
     write_grad = fragment_writer(D, storage)
@@ -213,12 +272,8 @@ def build_dq(D, tiles, storage, mods=NONE):
             lo_r = cuda.local.array(2, types.int64)
             hi_r = cuda.local.array(2, types.int64)
             rows(lse2, dsum, lo_r, hi_r, lse, delta, b, h, warp_row, g, seqlen_q, seqlen_k, left, right)
-            address = shared_address(smem, base)
             # A: the warpgroup's 64 rows of Q and dO; B: the streamed K (K-major for S, MN-major for dQ) and V.
-            q_desc = operand(address, Q_AT + wg * 64 * ATOM, BLOCK_M, False)
-            do_desc = operand(address, DO_AT + wg * 64 * ATOM, BLOCK_M, False)
-            k_desc, v_desc = operand(address, K_AT, BLOCK_N, False), operand(address, V_AT, BLOCK_N, False)
-            k_mn = operand(address, K_AT, BLOCK_N, True)
+            descs = operands(shared_address(smem, base), Q_AT, DO_AT, K_AT, V_AT, wg)
             s = cuda.local.array((NT, 4), types.float32)  # S: 64 rows x BLOCK_N keys per warpgroup
             dp = cuda.local.array((NT, 4), types.float32)  # dP, then dS
             d_s = cuda.local.array((PS, 4), types.uint32)  # dS rounded to 16 bits: the A operand of dQ += dS K
@@ -237,21 +292,8 @@ def build_dq(D, tiles, storage, mods=NONE):
                 fence_proxy_async()
                 cuda.syncthreads()  # every thread's copies of this tile (and of Q, dO) are visible
 
-                wgmma_fence()
-                scores(s, smem, q_desc, advance(k_desc, 2 * at))  # S = Q K^T
-                wgmma_commit()
-                scores(dp, smem, do_desc, advance(v_desc, 2 * at))  # dP = dO V^T
-                wgmma_commit()
-                wgmma_wait0()
-                full = masks.tile_is_full(row_start, row_end, n_start, n_start + BLOCK_N, seqlen_q, seqlen_k, left,
-                                          right)
-                ds(s, dp, lse2, dsum, lo_r, hi_r, full, warp_row, n_start, g, t, seqlen_q, seqlen_k, scale_log2, b, h,
-                   bh)
-                pack(d_s, dp)
-                wgmma_fence()
-                accumulate(dq_acc, d_s, smem, advance(k_mn, 2 * at))  # dQ += dS K
-                wgmma_commit()
-                wgmma_wait0()
+                step(smem, descs, 2 * at, s, dp, d_s, dq_acc, lse2, dsum, lo_r, hi_r, row_start, row_end, warp_row,
+                     n_start, g, t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh)
                 cuda.syncthreads()  # this stage is free for the copies issued at the top of the next iteration
 
         # dQ = scale dS K with scale = scale_log2 ln(2) (the scale argument with modifications); the rows past

@@ -23,18 +23,17 @@ tile comparison.
 
 from numba import cuda, types
 
-from ... import masks
 from ...mods import NONE
 from ..blocks import key_block, query_block, tensor_core_backward
 from ..fragments import fill, fragment_writer
-from ..gradients import row_steps, stats_stager, transposed_steps
+from ..gradients import row_steps, stats_stager
 from ..intrinsics import (device_function, mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init,
-                         named_barrier_sync, setmaxnreg_dec, setmaxnreg_inc, shared_address, tensormap_acquire,
-                         wgmma_commit, wgmma_fence, wgmma_wait0, wgmma_wait1)
+                         named_barrier_sync, setmaxnreg_dec, setmaxnreg_inc, shared_address, tensormap_acquire)
 from ..mods import modifiers
 from . import tensor_maps
+from .backward import dkdv_step, dq_step
 from .pipeline import BARRIER_ELEMENTS, PRODUCER, bulk_copier, check_registers, release, wait
-from .tiles import ALIGN, ATOM, advance, aligned_base, operand, pack_p, products
+from .tiles import ALIGN, aligned_base
 
 STATS_THREADS = 32  # the producer's first warp copies each query tile's LSE and D
 # Registers per thread after setmaxnreg (see `pipeline.REGISTERS`): the dK/dV producer also copies LSE and D,
@@ -90,10 +89,8 @@ def build_dkdv(D, tiles, storage, mods=NONE):
     KV_FULL, FULL, EMPTY = BAR_AT, BAR_AT + BARRIER_ELEMENTS, BAR_AT + (1 + STAGES) * BARRIER_ELEMENTS
     TILE = BLOCK_N * D  # elements of one Q or dO stage
     copy_tile = bulk_copier(D)
-    scores, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage)
-    pack = pack_p(BLOCK_N, storage)
+    operands, step = dkdv_step(D, tiles, storage, mods)
     load_stats, store_stats, PER_THREAD = stats_stager(BLOCK_N, STATS_THREADS)
-    probabilities, ds = transposed_steps(1, NT, mods)
     modifier = modifiers(mods, types.float32, fast=True)
     prepare, natural = modifier.prepare, modifier.natural
     write_grad = fragment_writer(D, storage)
@@ -162,13 +159,9 @@ def build_dkdv(D, tiles, storage, mods=NONE):
 
         if ntiles > 0:
             stats = cuda.shared.array(0, types.float32)  # the same memory: the rings' LSE and D
-            address = shared_address(smem, base)
             # A: the warpgroup's 64 keys of K and V; B: the streamed Q and dO, K-major for S^T and dP^T,
             # MN-major for dK and dV.
-            k_desc = operand(address, K_AT + wg * 64 * ATOM, BLOCK_M, False)
-            v_desc = operand(address, V_AT + wg * 64 * ATOM, BLOCK_M, False)
-            q_desc, do_desc = operand(address, Q_AT, BLOCK_N, False), operand(address, DO_AT, BLOCK_N, False)
-            q_mn, do_mn = operand(address, Q_AT, BLOCK_N, True), operand(address, DO_AT, BLOCK_N, True)
+            descs = operands(shared_address(smem, base), K_AT, V_AT, Q_AT, DO_AT, wg)
             s = cuda.local.array((NT, 4), types.float32)  # S^T, then P^T: 64 keys x BLOCK_N queries
             dp = cuda.local.array((NT, 4), types.float32)  # dP^T, then dS^T
             dlogit = cuda.local.array((NT, 4), types.float32)  # with modifications: d modified / d score
@@ -185,25 +178,8 @@ def build_dkdv(D, tiles, storage, mods=NONE):
                 st = (base + STATS_AT) // 2 + stage * 2 * BLOCK_N
                 wait(smem, base + FULL + stage * BARRIER_ELEMENTS, (it // STAGES) & 1)
 
-                wgmma_fence()
-                scores(s, smem, k_desc, advance(q_desc, at))  # S^T = K Q^T
-                wgmma_commit()
-                scores(dp, smem, v_desc, advance(do_desc, at))  # dP^T = V dO^T
-                wgmma_commit()
-                wgmma_wait1()  # S^T is done; dP^T may still run under P^T below
-                probabilities(s, dlogit, stats, st, q_start, 0, warp_key, key_start, key_start + BLOCK_M, g, t,
-                              seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh)
-                pack(p, s)
-                wgmma_fence()
-                accumulate(dv_acc, p, smem, advance(do_mn, at))  # dV += P^T dO
-                wgmma_commit()
-                wgmma_wait1()  # dP^T is done; dV's product may still run under dS^T below
-                ds(s, dp, dlogit, stats, st + BLOCK_N, t)
-                pack(d_s, dp)
-                wgmma_fence()
-                accumulate(dk_acc, d_s, smem, advance(q_mn, at))  # dK += dS^T Q
-                wgmma_commit()
-                wgmma_wait0()
+                step(smem, descs, at, s, dp, dlogit, p, d_s, dk_acc, dv_acc, stats, st, q_start, warp_key, key_start,
+                     g, t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh)
                 # The warpgroup's threads read the stage's LSE and D with ordinary loads: its barrier completes
                 # those reads before the one arrival, which releases them to the producer's next stores. racecheck
                 # does not follow that chain (12 hazards on these reads in scripts/sanitize.py); an arrival by every
@@ -229,9 +205,8 @@ def build_dq(D, tiles, storage, mods=NONE):
     QDO_FULL, FULL, EMPTY = BAR_AT, BAR_AT + BARRIER_ELEMENTS, BAR_AT + (1 + STAGES) * BARRIER_ELEMENTS
     TILE = BLOCK_N * D  # elements of one K or V stage
     copy_tile = bulk_copier(D)
-    scores, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage)
-    pack = pack_p(BLOCK_N, storage)
-    rows, ds = row_steps(1, NT, mods)
+    operands, step = dq_step(D, tiles, storage, mods)
+    rows, _ = row_steps(1, NT, mods)
     modifier = modifiers(mods, types.float32, fast=True)
     prepare, natural = modifier.prepare, modifier.natural
     write_grad = fragment_writer(D, storage)
@@ -292,12 +267,8 @@ def build_dq(D, tiles, storage, mods=NONE):
             lo_r = cuda.local.array(2, types.int64)
             hi_r = cuda.local.array(2, types.int64)
             rows(lse2, dsum, lo_r, hi_r, lse, delta, b, h, warp_row, g, seqlen_q, seqlen_k, left, right)
-            address = shared_address(smem, base)
             # A: the warpgroup's 64 rows of Q and dO; B: the streamed K (K-major for S, MN-major for dQ) and V.
-            q_desc = operand(address, Q_AT + wg * 64 * ATOM, BLOCK_M, False)
-            do_desc = operand(address, DO_AT + wg * 64 * ATOM, BLOCK_M, False)
-            k_desc, v_desc = operand(address, K_AT, BLOCK_N, False), operand(address, V_AT, BLOCK_N, False)
-            k_mn = operand(address, K_AT, BLOCK_N, True)
+            descs = operands(shared_address(smem, base), Q_AT, DO_AT, K_AT, V_AT, wg)
             s = cuda.local.array((NT, 4), types.float32)  # S: 64 rows x BLOCK_N keys per warpgroup
             dp = cuda.local.array((NT, 4), types.float32)  # dP, then dS
             d_s = cuda.local.array((PS, 4), types.uint32)  # dS rounded to 16 bits: the A operand of dQ += dS K
@@ -308,21 +279,8 @@ def build_dq(D, tiles, storage, mods=NONE):
                 stage = it % STAGES
                 at = 2 * stage * TILE  # bytes into the rings
                 wait(smem, base + FULL + stage * BARRIER_ELEMENTS, (it // STAGES) & 1)
-                wgmma_fence()
-                scores(s, smem, q_desc, advance(k_desc, at))  # S = Q K^T
-                wgmma_commit()
-                scores(dp, smem, do_desc, advance(v_desc, at))  # dP = dO V^T
-                wgmma_commit()
-                wgmma_wait0()
-                full = masks.tile_is_full(row_start, row_end, n_start, n_start + BLOCK_N, seqlen_q, seqlen_k, left,
-                                          right)
-                ds(s, dp, lse2, dsum, lo_r, hi_r, full, warp_row, n_start, g, t, seqlen_q, seqlen_k, scale_log2, b, h,
-                   bh)
-                pack(d_s, dp)
-                wgmma_fence()
-                accumulate(dq_acc, d_s, smem, advance(k_mn, at))  # dQ += dS K
-                wgmma_commit()
-                wgmma_wait0()
+                step(smem, descs, at, s, dp, d_s, dq_acc, lse2, dsum, lo_r, hi_r, row_start, row_end, warp_row, n_start,
+                     g, t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh)
                 release(smem, base + EMPTY + stage * BARRIER_ELEMENTS, ctid)
 
         # dQ = scale dS K with scale = scale_log2 ln(2) (the scale argument with modifications); the rows past
