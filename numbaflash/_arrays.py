@@ -175,6 +175,25 @@ def empty(like, shape, dtype):
         return cupy.empty(shape, dtype=_numpy_dtype(dtype))
 
 
+def zeros(like, shape, dtype):
+    """`empty`, filled with zeros (on the GPU by the library's fill, on its current stream)."""
+    if like.kind == "numpy":
+        return np.zeros(shape, dtype=_numpy_dtype(dtype))
+    if like.kind == "torch":
+        import torch
+
+        return torch.zeros(shape, dtype=getattr(torch, dtype), device=like.obj.device)
+    try:
+        import cupy
+    except ImportError:
+        from numba import cuda
+
+        with cuda.gpus[like.device]:
+            return cuda.to_device(np.zeros(shape, dtype=_numpy_dtype(dtype)))
+    with cupy.cuda.Device(like.device):
+        return cupy.zeros(shape, dtype=_numpy_dtype(dtype))
+
+
 def from_host(like, array):
     """NumPy ``array`` as an array of the kind and device of ``like`` (a copy on the GPU)."""
     if like.kind == "numpy":
@@ -217,4 +236,4 @@ def stream_of(op):
 
 
 __all__ = ["Operand", "batch_view", "describe", "empty", "from_host", "is_device_array", "single_head_view", "stream_of",
-           "to_host"]
+           "to_host", "zeros"]

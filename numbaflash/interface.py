@@ -163,14 +163,14 @@ def _accumulator_scalar(call):
     return np.float64 if call.dtype == "float64" else np.float32
 
 
-def _plan_for(call, backward, device=None, dout=None):
+def _plan_for(call, backward, device=None, dout=None, deterministic=True):
     """The plan of ``call`` on ``device`` (default: the GPU its operands are on, current under `_device_context`);
     a backward's ``dout`` counts for the alignment its copies need."""
     aligned = all(op.vector_aligned(8) for op in (call.q, call.k, call.v) + ((dout,) if dout is not None else ()))
     device = device or tiling.current_device(call.device)
     return tiling.make_plan(call.batch, call.nheads, call.nheads_kv, call.seqlen_q, call.seqlen_k, call.headdim,
                             call.dtype, backward=backward, device=device, aligned=aligned, packed=call.mods.packed,
-                            modified=call.mods.active)
+                            modified=call.mods.active, deterministic=deterministic)
 
 
 def _check_plan(plan, call, direction):
@@ -193,17 +193,20 @@ def _device_context(call):
     return cuda.gpus[call.device]
 
 
-def plan(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), backward=False, device=None):
-    """The `tiling.Plan` that `attention` (or, with ``backward=True``, `attention_backward`) would run.
+def plan(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), backward=False, device=None,
+         deterministic=True):
+    """The `tiling.Plan` that `attention` (or, with ``backward=True``, `attention_backward` with
+    ``deterministic``) would run.
 
     ``device`` (a `tiling.Device`) plans for another GPU than the current one.
     """
     call = inspect(q, k, v, causal, softmax_scale, window_size)
     arguments.flag(backward, "backward")
+    arguments.flag(deterministic, "deterministic")
     if device is not None and not isinstance(device, tiling.Device):
         raise TypeError(f"device must be None (the current GPU) or a numbaflash.tiling.Device; got {type(device).__name__}")
     with _device_context(call):
-        return _plan_for(call, backward, device)
+        return _plan_for(call, backward, device, deterministic=deterministic)
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False, plan=None,
@@ -277,6 +280,8 @@ BUILDERS = {
     "wgmma_backward_dq": wgmma_backward.build_dq,
     "wgmma_tma_backward_dkdv": wgmma_ws_backward.build_dkdv,
     "wgmma_tma_backward_dq": wgmma_ws_backward.build_dq,
+    "wgmma_tma_backward_dkdvdq": wgmma_ws_backward.build_dkdv_dq,
+    "backward_dq_postprocess": simt_backward.build_dq_postprocess,
 }
 
 
@@ -338,6 +343,14 @@ def run_backward(call, plan, dout, lse, out, delta, dq, dk, dv, preprocess=None)
     if isinstance(plan.tiles, tiling.WgmmaTiles) and plan.tiles.producer:
         tiling.check_copy_engine(plan.tiles, vec)
         maps = tuple((m,) for m in wgmma_ws_backward.tensor_map_args(q, k, v, dout, plan.tiles))
+    if plan.dq_strategy == "atomic":
+        rows = -(-call.seqlen_q // plan.block_n) * plan.block_n  # every streamed tile adds whole rows
+        dq_acc = _arrays.describe(_arrays.zeros(q, (call.batch, call.nheads, rows, plan.headdim_padded), "float32"),
+                                  "dq_acc")
+        _launch(plan, 1, stream, call.mods, q, k, v, dout, lse, delta, dk, dv, dq_acc, *extra, *maps[0],
+                call.mod_values)
+        _launch(plan, 2, stream, NONE, dq_acc, dq, np.float32(call.softmax_scale))
+        return
     _launch(plan, 1, stream, call.mods, q, k, v, dout, lse, delta, dk, dv, *extra, *maps[0], call.mod_values)
     _launch(plan, 2, stream, call.mods, q, k, v, dout, lse, delta, dq, *extra, *maps[1], call.mod_values)
 
@@ -350,8 +363,8 @@ def _check_like(op, want, name, like_name):
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                        plan=None, softcap=0.0, alibi_slopes=None, score_mod=None, score_mod_grad=None, mask_mod=None,
-                       mod_args=(), block_mask=None):
-    """Gradients of `attention` by recomputation from the saved log-sum-exp; deterministic.
+                       mod_args=(), block_mask=None, deterministic=True):
+    """Gradients of `attention` by recomputation from the saved log-sum-exp.
 
     Args:
         dout: gradient of the output, shaped like ``out``.
@@ -362,11 +375,15 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
             `attention`; with a ``score_mod``, ``score_mod_grad`` is required. With a block mask the backward
             evaluates its mask_mod on every tile the causal/window mask shows (it skips no tile yet; `explain`
             says so).
+        deterministic: True (the default): no atomics, repeated calls return bitwise identical gradients.
+            False (flash-attn's meaning) allows a faster backward whose dQ sums in a varying order: on Hopper
+            the wgmma backward (v5) then forms dQ in its dK/dV kernel and adds it with float32 atomics,
+            which saves recomputing S and dP (`explain(..., backward=True, deterministic=False)` says which runs).
 
     Returns:
         ``(dq, dk, dv)`` with the shapes and dtypes of q, k, v. For GQA, dk and dv sum over the query
-        heads of each group. No atomics: repeated calls return bitwise identical gradients. Extra
-        memory: one float32 (float64 for float64) value per query row and head.
+        heads of each group. Extra memory: one float32 (float64 for float64) value per query row and head,
+        and with atomics a float32 dQ (headdim padded to 64 or 128, rows to 64).
     """
     call = inspect(q, k, v, causal, softmax_scale, window_size, modifications=dict(
         softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod, score_mod_grad=score_mod_grad,
@@ -388,7 +405,12 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         raise ValueError(f"lse must be attention's log-sum-exp: shape {want_lse} (({call.seqlen_q},) for a 2-D call), "
                          f"dtype {call.lse_dtype}; got shape {lse_op.shape}, dtype {lse_op.dtype}")
     with _device_context(call):
-        plan = _check_plan(plan, call, "backward") if plan is not None else _plan_for(call, True, dout=ops[0])
+        arguments.flag(deterministic, "deterministic")
+        if plan is not None and deterministic and _check_plan(plan, call, "backward").dq_strategy == "atomic":
+            raise ValueError("plan accumulates dQ with atomics (made with deterministic=False); pass "
+                             "deterministic=False with it, or a deterministic plan")
+        plan = (_check_plan(plan, call, "backward") if plan is not None else
+                _plan_for(call, True, dout=ops[0], deterministic=deterministic))
         dq = _arrays.empty(call.q, call.q.shape, call.dtype)
         dk = _arrays.empty(call.q, call.k.shape, call.dtype)
         dv = _arrays.empty(call.q, call.v.shape, call.dtype)
@@ -411,16 +433,19 @@ def _compared(standard, flash):
 
 
 def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), backward=False, softcap=0.0,
-            alibi_slopes=None, score_mod=None, score_mod_grad=None, mask_mod=None, mod_args=(), block_mask=None):
-    """Which kernel runs for this call and why, its plan, and its HBM traffic as `sim` predicts it."""
+            alibi_slopes=None, score_mod=None, score_mod_grad=None, mask_mod=None, mod_args=(), block_mask=None,
+            deterministic=True):
+    """Which kernel runs for this call and why, its plan, and its HBM traffic as `sim` predicts it
+    (``deterministic``: as given to `attention_backward`)."""
     import sim
 
     arguments.flag(backward, "backward")
+    arguments.flag(deterministic, "deterministic")
     call = inspect(q, k, v, causal, softmax_scale, window_size, modifications=dict(
         softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod, score_mod_grad=score_mod_grad,
         mask_mod=mask_mod, mod_args=mod_args, block_mask=block_mask), backward=backward)
     with _device_context(call):
-        the_plan = _plan_for(call, backward)
+        the_plan = _plan_for(call, backward, deterministic=deterministic)
     sizes = dict(seqlen_k=call.seqlen_k, batch=call.batch, nheads=call.nheads, nheads_kv=call.nheads_kv,
                  causal=causal, window_size=tuple(window_size), backward=backward, dtype_bytes=the_plan.dtype_bytes)
     block_mask = call.block_mask if not backward else None  # the backward visits every tile the mask shows
@@ -475,6 +500,9 @@ def _on_the_gpu(call, the_plan, causal, window_size):
     """What `sim.hardware` predicts this call moves on the GPU, and where it sits on the roofline."""
     from sim import hardware
 
+    if the_plan.dq_strategy == "atomic":
+        return ["on the GPU  not modelled: sim.hardware does not walk the atomic dQ's kernels (deterministic=False) "
+                "yet; the HBM traffic above counts them"]
     gpu = hardware.Gpu.current()
     where = f"{gpu.name}, modelled: the CUDA simulator has no GPU" if SIMULATOR else gpu.name
     visits = hardware.tile_visits(the_plan)

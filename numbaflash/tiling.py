@@ -242,6 +242,13 @@ WGMMA_BACKWARD_TILES = {64: WgmmaTiles(128, 64, 2, producer=True, tma=True),
                         128: WgmmaTiles(128, 64, 2, producer=True, tma=True)}
 WGMMA_CP_ASYNC_BACKWARD_TILES = {64: WgmmaTiles(64, 64, 1), 128: WgmmaTiles(64, 64, 1)}
 SIMULATOR_WGMMA_BACKWARD_TILES = WgmmaTiles(64, 16, 1, producer=True, tma=True)
+# deterministic=False: v5's dK/dV kernel also forms dQ = dS K from its dS^T, stored in shared memory as rows
+# of this many query columns (one swizzle atom, wgmma's M), and adds it to a float32 dQ with atomics, at the
+# padded head dims below. H100, fp16 and bf16, N = 2048 to 16384, causal and not (.bench/atomicbwd.py): at 64
+# it ran 0.69-0.78x SDPA flash against the two passes' 0.61-0.69x; at 128 0.80-0.88x against 0.85-0.98x (its
+# dK/dV kernel spilled 168 bytes, and the consumers wait for each other at every tile).
+WGMMA_ATOMIC_DQ = 64
+WGMMA_ATOMIC_DQ_HEADDIMS = (64,)
 # Tensor-core backward: square blocks, because `sim` counts one B_r = B_c for both passes (the dK/dV
 # kernel owns block_m keys and streams block_n queries; the dQ kernel the reverse). Up to headdim 64,
 # 4 warps of 2 m-tiles (H200, fp16, N = 2048 to 16384, causal and not: 0.54-0.65x SDPA flash, against
@@ -321,7 +328,9 @@ class Plan:
 
     ``sram_bytes`` is the on-chip working set of one thread block (shared memory plus the
     register-resident accumulators, scores and row statistics): the SRAM `sim` gives the schedule
-    when it counts this plan. ``dq_strategy`` is the backward's: a dK/dV pass then a dQ pass.
+    when it counts this plan. ``dq_strategy`` is the backward's: "separate" (a dK/dV pass then a dQ pass) or
+    "atomic" (``deterministic=False``: the dK/dV pass adds dQ into a float32 workspace, which a last pass
+    rounds), as `sim` names them.
     """
 
     kernel: str
@@ -402,20 +411,22 @@ def _choose(direction, acc, D, acc_bytes, device, smem_of):
 
 
 def make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward=False, device=None, tiles=None,
-              aligned=True, packed=False, modified=False):
+              aligned=True, packed=False, modified=False, deterministic=True):
     """The plan for these sizes on ``device`` (default: the current one). ``tiles`` overrides the blocks.
     ``aligned``: whether q, k and v have a contiguous head dim, a multiple of 8, and 16-byte aligned
     strides, as the bulk tensor copy engine needs (`interface.vector_staging`). ``packed``: a varlen call
     (`numbaflash.varlen`) of ``batch`` sequences, the longest ``seqlen_q`` and ``seqlen_k``, which the
-    grid covers. ``modified``: score or mask modifications compile into the kernels (`numbaflash.mods`)."""
+    grid covers. ``modified``: score or mask modifications compile into the kernels (`numbaflash.mods`).
+    ``deterministic``: a backward whose repeats are bitwise identical; False lets the wgmma backward (v5)
+    accumulate dQ with float32 atomics in its dK/dV kernel (`WGMMA_ATOMIC_DQ`)."""
     device = current_device() if device is None else device
     return _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned,
-                      packed, modified)
+                      packed, modified, deterministic)
 
 
 @functools.lru_cache(maxsize=1024)  # plans are immutable; a model calls attention with few distinct shapes
 def _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned, packed,
-               modified):
+               modified, deterministic):
     from .kernels.mma import backward as mma_backward
     from .kernels.simt import backward as simt_backward, forward as simt_forward
 
@@ -428,7 +439,7 @@ def _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, bac
         raise ValueError(f"the wgmma backward runs head dims up to {max(WGMMA_BACKWARD_TILES)}; got headdim {headdim}")
     if uses_tensor_cores(dtype, device) and (tiles is None or isinstance(tiles, (MmaTiles, WgmmaTiles))):
         if backward and (isinstance(tiles, WgmmaTiles) or (tiles is None and uses_wgmma_backward(dtype, device, headdim))):
-            return _wgmma_backward_plan(shape, device, tiles, aligned, packed)
+            return _wgmma_backward_plan(shape, device, tiles, aligned, packed, deterministic)
         if not backward and (isinstance(tiles, WgmmaTiles) or (tiles is None and uses_wgmma(dtype, device, headdim))):
             return _wgmma_forward_plan(shape, device, tiles, aligned, packed, modified)
         if not backward:
@@ -472,9 +483,11 @@ def preprocess_grid(seqlen_q, nheads, batch):
     return (_cdiv(seqlen_q, PREPROCESS_ROWS), nheads, batch)
 
 
-def _plan(kernel, reason, shape, device, D, tiles, smem, registers):
+def _plan(kernel, reason, shape, device, D, tiles, smem, registers, dq_strategy="separate"):
     """The `Plan` of ``kernel`` ("simt_forward", "mma_backward", ...) with its launches: one block per query
-    block (forward, dQ) or key block (dK/dV) of every head; ``smem`` bytes per launch after the preprocess."""
+    block (forward, dQ) or key block (dK/dV) of every head; ``smem`` bytes per launch after the preprocess.
+    A backward with ``dq_strategy`` "atomic" runs its key pass ("_dkdvdq", which adds dQ into a float32
+    workspace) and then rounds dQ row by row instead of running a query pass."""
     backward = kernel.endswith("backward")
     batch, nheads, nheads_kv = shape["batch"], shape["nheads"], shape["nheads_kv"]
     bm = tiles.block_m
@@ -482,16 +495,20 @@ def _plan(kernel, reason, shape, device, D, tiles, smem, registers):
     if backward:
         from .kernels.simt.backward import PREPROCESS_ROWS
 
-        launches = (
-            Launch("simt_backward_preprocess", preprocess_grid(shape["seqlen_q"], nheads, batch), 32 * PREPROCESS_ROWS,
-                   0),
-            Launch(kernel + "_dkdv", (_cdiv(shape["seqlen_k"], bm), nheads_kv, batch), tiles.threads, smem[0]),
-            Launch(kernel + "_dq", query_blocks, tiles.threads, smem[1]),
-        )
+        rows = preprocess_grid(shape["seqlen_q"], nheads, batch)
+        key_blocks = (_cdiv(shape["seqlen_k"], bm), nheads_kv, batch)
+        launches = (Launch("simt_backward_preprocess", rows, 32 * PREPROCESS_ROWS, 0),)
+        if dq_strategy == "atomic":
+            launches += (Launch(kernel + "_dkdvdq", key_blocks, tiles.threads, smem[0]),
+                         Launch("backward_dq_postprocess", rows, 32 * PREPROCESS_ROWS, 0))
+        else:
+            launches += (Launch(kernel + "_dkdv", key_blocks, tiles.threads, smem[0]),
+                         Launch(kernel + "_dq", query_blocks, tiles.threads, smem[1]))
     else:
         launches = (Launch(kernel, query_blocks, tiles.threads, smem[0]),)
     return Plan(kernel=kernel, reason=reason, direction="backward" if backward else "forward", device=device.name,
-                headdim_padded=D, tiles=tiles, launches=launches, sram_bytes=max(smem) + registers, **shape)
+                headdim_padded=D, tiles=tiles, launches=launches, sram_bytes=max(smem) + registers,
+                dq_strategy=dq_strategy, **shape)
 
 
 def _mma_where(device):
@@ -561,9 +578,10 @@ def _wgmma_forward_plan(shape, device, tiles, aligned, packed, modified):
     return _plan(tiles.kernel, reason, shape, device, D, tiles, smem, registers)
 
 
-def _wgmma_backward_plan(shape, device, tiles, aligned, packed):
+def _wgmma_backward_plan(shape, device, tiles, aligned, packed, deterministic):
     """The wgmma backward's plan: v5 (`WGMMA_BACKWARD_TILES`) where the copy engine reads the operands, else
-    mma.sync's (`explain` says why); v3 or other tiles when asked for."""
+    mma.sync's (`explain` says why); v3 or other tiles when asked for. Not ``deterministic``: v5 accumulates
+    dQ in its dK/dV kernel (`WGMMA_ATOMIC_DQ`)."""
     from .kernels.wgmma import backward as wgmma_backward, ws_backward as wgmma_ws_backward
 
     D = next(D for D in WGMMA_HEADDIMS if shape["headdim"] <= D)
@@ -584,16 +602,26 @@ def _wgmma_backward_plan(shape, device, tiles, aligned, packed):
     if tiles.producer and tiles.warpgroups not in wgmma_ws_backward.REGISTERS:
         raise ValueError(f"the wgmma backward runs 1 or 2 consumer warpgroups beside its producer; got {tiles}")
     check_copy_engine(tiles, aligned)
+    atomic = (not deterministic and tiles.producer and tiles.block_n == WGMMA_ATOMIC_DQ
+              and D in WGMMA_ATOMIC_DQ_HEADDIMS)
     kernels = wgmma_ws_backward if tiles.producer else wgmma_backward
-    smem = (kernels.smem_bytes_dkdv(D, tiles), kernels.smem_bytes_dq(D, tiles))
+    smem = ((wgmma_ws_backward.smem_bytes_dkdv(D, tiles, True), 0) if atomic else
+            (kernels.smem_bytes_dkdv(D, tiles), kernels.smem_bytes_dq(D, tiles)))
     _check_smem("backward", smem, shape, device)
     registers = 4 * (2 * 64 * tiles.warpgroups * D + 2 * tiles.block_m * tiles.block_n)  # dK and dV, S and dP
     where = ("the CUDA simulator, whose wgmma and copies are emulations" if device.simulator
              else f"compute capability 9.0 ({device.name})")
     reason = (f"{shape['dtype']} on {where}: warpgroup tensor cores (wgmma), float32 accumulation; head dims padded "
               f"to 64 or 128; D = rowsum(dO * O) on the CUDA cores")
+    if atomic:
+        reason += ("; deterministic=False: the dK/dV kernel also adds dS K into a float32 dQ with atomics (5 products "
+                   "per tile pair instead of 7; repeats may differ in the last bits of dQ)")
+    elif not deterministic:
+        reason += (f"; deterministic=False, but the atomic dQ runs v5's tiles streaming {WGMMA_ATOMIC_DQ} query rows at "
+                   f"head dims padded to {', '.join(map(str, WGMMA_ATOMIC_DQ_HEADDIMS))}, where it is faster: this call "
+                   "runs the deterministic two passes")
     return _plan("wgmma_tma_backward" if tiles.producer else "wgmma_backward", reason, shape, device, D, tiles, smem,
-                 registers)
+                 registers, "atomic" if atomic else "separate")
 
 
 def _mma_backward_plan(shape, device, tiles, hopper=""):

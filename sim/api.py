@@ -28,7 +28,7 @@ ALGORITHMS = ("standard", "flash1", "flash2")
 # Scores (seqlen_q x seqlen_k x query heads of one group) up to which count_io checks values against the
 # float64 reference by default: its S and P take 8 bytes each, about 0.3 GB at this size.
 CHECK_ELEMENTS = 2**24
-DQ_MODES = ("accumulate", "separate")
+DQ_MODES = ("accumulate", "separate", "atomic")
 
 
 class SimulationMismatch(AssertionError):
@@ -91,14 +91,16 @@ def _inputs(p, ctx_args, backward, algorithm, rng):
     return hbm
 
 
-def _outputs(p, algorithm, backward):
-    """Shapes of what the schedule writes (intermediates in HBM included)."""
+def _outputs(p, algorithm, backward, dq=None):
+    """Shapes of what the schedule writes (intermediates in HBM included; ``dq`` "atomic": dQ_acc)."""
     b, nq, nk, h, hk, d = p.batch, p.seqlen_q, p.seqlen_k, p.nheads, p.nheads_kv, p.headdim
     q_like, kv_like, nn, row = (b, nq, h, d), (b, nk, hk, d), (b, h, nq, nk), (b, h, nq)
     if not backward:
         extra = {"standard": {"S": nn, "P": nn}, "flash1": {"l": row, "m": row}, "flash2": {"LSE": row}}[algorithm]
         return {"O": q_like, **extra}
     extra = {"standard": {"dP": nn, "dS": nn}, "flash1": {}, "flash2": {"D": row}}[algorithm]
+    if algorithm == "flash2" and dq == "atomic":
+        extra["dQ_acc"] = q_like
     return {"dQ": q_like, "dK": kv_like, "dV": kv_like, **extra}
 
 
@@ -153,8 +155,10 @@ def _resolve(seqlen, headdim, sram_bytes, algorithm, seqlen_k, batch, nheads, nh
             raise TypeError(f"plan must be None or a numbaflash.plan(...) result; got {type(plan).__name__}")
         algorithm, block_sizes, dq = "flash2", (plan.block_m, plan.block_n), plan.dq_strategy
         # A backward kernel owns block_m rows and streams block_n in both passes: the dK/dV pass's blocks are
-        # the transpose of the dQ pass's.
+        # the transpose of the dQ pass's. With atomics the key pass is the only one.
         key_pass = (plan.block_n, plan.block_m) if backward and plan.block_m != plan.block_n else None
+        if backward and dq == "atomic":
+            block_sizes, key_pass = (plan.block_n, plan.block_m), None
         sram_bytes = plan.sram_bytes if sram_bytes is None else sram_bytes
         dtype_bytes = plan.dtype_bytes
     arguments.choice(algorithm, "algorithm", ALGORITHMS)
@@ -239,7 +243,9 @@ def count_io(seqlen, headdim, *, sram_bytes=None, algorithm="flash2", seqlen_k=N
         dtype_bytes: bytes per element, for M and ``total_bytes``.
         block_sizes: ``(B_r, B_c)`` replacing the derived blocks.
         dq: FlashAttention-2 backward only: "accumulate" (the paper: dQ read and written in HBM per
-            step) or "separate" (numbaflash's kernels: a dK/dV pass, then a dQ pass).
+            step), "separate" (numbaflash's deterministic kernels: a dK/dV pass, then a dQ pass) or "atomic"
+            (``deterministic=False``: the paper's schedule with dQ summed in a float32 dQ_acc, then rounded
+            into dQ in a pass of its own).
         plan: a `numbaflash.Plan`: count the schedule a kernel ran (its blocks, SRAM and dQ strategy).
         block_mask: a `numbaflash.block_mask(...)` (FlashAttention-2 forward): count only the tiles it
             leaves non-empty, as the kernels visit them. Every (batch element, head) is then simulated, and
@@ -272,13 +278,13 @@ def count_io(seqlen, headdim, *, sram_bytes=None, algorithm="flash2", seqlen_k=N
         hbm_in = _inputs(group, ctx_args, backward, algorithm, np.random.default_rng(seed))
         hbm = dict(hbm_in)
         # Outputs start as NaN: an element the schedule never writes fails the check.
-        hbm.update({name: np.full(shape, np.nan) for name, shape in _outputs(group, algorithm, backward).items()})
+        hbm.update({name: np.full(shape, np.nan) for name, shape in _outputs(group, algorithm, backward, dq).items()})
         visible = reference.visible_mask(p.seqlen_q, p.seqlen_k, causal, window_size)
         if block_mask is not None:  # shared by every batch element and head (else ``unchecked``)
             visible = visible & mods.visible(block_mask.mask_mod, (1, 1, p.seqlen_q, p.seqlen_k), block_mask.mod_args)[0, 0]
         ctx = common.Context(ctx_args["softmax_scale"], visible)
     else:
-        hbm = {**_input_shapes(group, algorithm, backward), **_outputs(group, algorithm, backward)}
+        hbm = {**_input_shapes(group, algorithm, backward), **_outputs(group, algorithm, backward, dq)}
         ctx = common.Context(ctx_args["softmax_scale"])
     h = Hierarchy(M, hbm, compute=verify)
 

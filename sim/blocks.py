@@ -42,7 +42,7 @@ def footprint(algorithm, backward, d, br, bc, dq="accumulate", key_pass=None):
     if not backward:
         # Q_i and its O accumulator | m_i, l_i | K_j, V_j | S_ij (P_ij in place)
         return 2 * br * d + 2 * br + 2 * bc * d + br * bc
-    if dq == "accumulate":
+    if dq in ("accumulate", "atomic"):
         # K_j, V_j, dK_j, dV_j | Q_i, dO_i, dQ_i | LSE_i, D_i | S/P and dP/dS
         return 4 * bc * d + 3 * br * d + 2 * br + 2 * br * bc
     # Two passes: dK/dV (K_j, V_j, dK_j, dV_j | Q_i, dO_i | LSE_i, D_i | S/P, dP/dS) on ``key_pass`` blocks

@@ -103,13 +103,17 @@ def predicted(algorithm, backward, p, blocks, dq="accumulate"):
         w.update(O=bh * nq * d, LSE=bh * nq)
     else:
         # The key pass's sums: a two-pass schedule's dK/dV pass may run its own blocks; the dQ pass runs `blocks`.
-        k = mask_sums(p, blocks.dkdv) if dq != "accumulate" and blocks.dkdv else m
+        k = mask_sums(p, blocks.dkdv) if dq == "separate" and blocks.dkdv else m
         r.update(O=bh * nq * d, dO=bh * (nq + k.pairs) * d, D=bh * k.pairs, LSE=bh * k.pairs,
                  Q=bh * k.pairs * d, K=bhk * k.union * d, V=bhk * k.union * d)
         w.update(D=bh * nq, dK=bhk * nk * d, dV=bhk * nk * d)
         if dq == "accumulate":
             r["dQ"] = bh * k.pairs * d
             w["dQ"] = bh * (nq + k.pairs) * d
+        elif dq == "atomic":  # zeros, a read-modify-write per visible step, then one pass rounding into dQ
+            r["dQ_acc"] = bh * (k.pairs + nq) * d
+            w["dQ_acc"] = bh * (nq + k.pairs) * d
+            w["dQ"] = bh * nq * d
         else:  # the dQ pass: Q_i, dO_i, LSE_i, D_i once per query block that sees a key, K and V streamed
             for name, n in (("Q", m.seen * d), ("dO", m.seen * d), ("LSE", m.seen), ("D", m.seen),
                             ("K", m.keys * d), ("V", m.keys * d)):

@@ -8,6 +8,8 @@ import numbaflash
 from cases import Case, cases, check_backward, gpu_cases, inputs
 from numbaflash import tiling
 from numbaflash.tiling import MmaTiles
+import sim
+import sim.hardware
 from test_forward import HOPPER
 
 # Three launches per call on the simulator: half the examples of the forward property.
@@ -52,6 +54,67 @@ def test_wgmma_backward_matches_reference(case, tiles, arrays, poisoned):
     assert "64 keys (dK/dV)" in bwd.describe() and ("TMA" in bwd.describe()) == tiles.producer
     check_backward(case, numbaflash.attention, lambda *a, **kw: numbaflash.attention_backward(*a, plan=bwd, **kw),
                    *arrays)
+
+
+ATOMIC_TILES = tiling.WgmmaTiles(64, 64, 1, producer=True, tma=True)  # v5's smallest tiles that stream 64 rows
+
+
+@pytest.mark.parametrize("case,tiles", [(WGMMA_CASES[0], ATOMIC_TILES),
+                                        (Case(1, 50, 130, 2, 1, 40, "bfloat16", window_size=(50, 7), seed=23),
+                                         tiling.WGMMA_BACKWARD_TILES[64])])
+def test_atomic_dq_backward_matches_reference(case, tiles, arrays, poisoned):
+    """deterministic=False: v5's dK/dV kernel adds dS K into a float32 dQ with atomics (one consumer; and two,
+    taking turns, as the H100 runs it), then a pass rounds it: masks, GQA, odd lengths, a padded head dim."""
+    shape = (case.batch, case.nheads, case.nheads_kv, case.seqlen_q, case.seqlen_k, case.headdim, case.dtype)
+    bwd = tiling.make_plan(*shape, backward=True, tiles=tiles, deterministic=False)
+    assert bwd.dq_strategy == "atomic" and "atomics" in bwd.reason
+    assert [launch.kernel for launch in bwd.launches[1:]] == ["wgmma_tma_backward_dkdvdq", "backward_dq_postprocess"]
+    check_backward(case, numbaflash.attention,
+                   lambda *a, **kw: numbaflash.attention_backward(*a, plan=bwd, deterministic=False, **kw), *arrays)
+
+
+def test_deterministic_false_plans_and_refusals(arrays):
+    """The atomic dQ where it is faster (v5 at head dims padded to 64); the two passes elsewhere, and why; a plan
+    with atomics refused to a deterministic call; deterministic must be a bool."""
+    shape = (2, 4, 2, 300, 200)
+    fast = tiling.make_plan(*shape, 64, "float16", backward=True, device=HOPPER, deterministic=False)
+    assert fast.dq_strategy == "atomic" and fast.launches[1].grid == (2, 2, 2)  # 128 keys a block, one pass
+    for headdim, dtype in ((128, "float16"), (64, "float32")):
+        plan = tiling.make_plan(*shape, headdim, dtype, backward=True, device=HOPPER, deterministic=False)
+        assert plan.dq_strategy == "separate" and len(plan.launches) == 3
+    assert "deterministic=False, but" in tiling.make_plan(*shape, 128, "bfloat16", backward=True, device=HOPPER,
+                                                          deterministic=False).reason
+    case = Case(1, 20, 20, 1, 1, 64, "float16", seed=3)
+    to_device, _ = arrays
+    q, k, v, dout = (to_device(x) for x in inputs(case, extra=[(1, 20, 1, 64)]))
+    out, lse = numbaflash.attention(q, k, v, return_lse=True)
+    atomic = tiling.make_plan(1, 1, 1, 20, 20, 64, "float16", backward=True, tiles=ATOMIC_TILES, deterministic=False)
+    with pytest.raises(ValueError, match="deterministic=False"):
+        numbaflash.attention_backward(dout, q, k, v, out, lse, plan=atomic)
+    for call in (lambda: numbaflash.attention_backward(dout, q, k, v, out, lse, deterministic="no"),
+                 lambda: numbaflash.plan(q, k, v, backward=True, deterministic=1),
+                 lambda: numbaflash.explain(q, k, v, backward=True, deterministic=None)):
+        with pytest.raises(TypeError, match="deterministic"):
+            call()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sim_counts_the_atomic_dq_schedule(causal):
+    """`sim` counts deterministic=False's one pass (128 keys streaming 64 query rows) with dQ summed in a float32
+    dQ_acc (zeroed, read and written per visible tile, read once more by the rounding pass), as its closed form
+    says; against the two passes, Q is read half as often and dQ_acc takes the place of the dQ pass."""
+    plan = tiling.make_plan(1, 2, 1, 300, 250, 64, "float16", backward=True, device=HOPPER, deterministic=False)
+    sizes = dict(seqlen_k=250, nheads=2, nheads_kv=1, causal=causal, backward=True)
+    counted = sim.count_io(300, 64, plan=plan, **sizes)
+    assert counted.matches_prediction and counted.max_rel_error < 1e-10 and counted.dq == "atomic"
+    assert sim.predict_io(300, 64, plan=plan, **sizes)["total"] == counted.total
+    acc = counted.per_tensor["dQ_acc"]
+    assert acc["reads"] == acc["writes"] > 2 * 300 * 64 and counted.per_tensor["dQ"] == {"reads": 0, "writes": 2 * 300 * 64}
+    two_passes = sim.count_io(300, 64, plan=tiling.make_plan(1, 2, 1, 300, 250, 64, "float16", backward=True,
+                                                              device=HOPPER), **sizes)
+    assert counted.per_tensor["Q"]["reads"] < two_passes.per_tensor["Q"]["reads"]
+    with pytest.raises(ValueError, match="does not model"):
+        sim.hardware.predict(plan, causal=causal, gpu=sim.hardware.H100)
 
 
 def test_hopper_backward_plans():

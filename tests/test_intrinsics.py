@@ -158,19 +158,21 @@ def swizzled(r, c, rows):
 
 
 def wgmma_kernel(N, K, storage):
-    """One warpgroup: ``ss = A B^T`` (A 64 x K, B N x K, both K-major) and ``rs = P V`` (P 64 x K from
-    registers, V K x N MN-major), each over K / 16 k-steps, from swizzled tiles the kernel stages itself."""
+    """One warpgroup: ``ss = A B^T`` (A 64 x K, B N x K, both K-major), ``rs = P V`` (P 64 x K from
+    registers, V K x N MN-major) and ``mn = A^T V`` (A read as K x 64 and V, both MN-major; K = 64; the first
+    k-step ``fresh``), each over K / 16 k-steps, from swizzled tiles the kernel stages itself."""
     from numbaflash.kernels.intrinsics import (fence_proxy_async, shared_address, wgmma_commit, wgmma_fence,
                                                wgmma_rs, wgmma_ss, wgmma_wait0)
     from numbaflash.kernels.fragments import fill
     from numbaflash.kernels.wgmma.tiles import aligned_base, descriptor
 
-    ss, rs = wgmma_ss(N, storage), wgmma_rs(N, storage)
+    ss, rs, mn = wgmma_ss(N, storage), wgmma_rs(N, storage), wgmma_ss(N, storage, mn_major=True)
+    mn_first = wgmma_ss(N, storage, mn_major=True, fresh=True)
     B_AT, V_AT = 64 * K, 64 * K + N * K  # V's atoms are 64 columns wide, N or not
     NT = N // 8  # a compile-time constant, as the local arrays' shape must be
 
     @cuda.jit
-    def kernel(a, b, v, p, out_ss, out_rs):
+    def kernel(a, b, v, p, out_ss, out_rs, out_mn):
         # a: (64, K), b: (N, K), v: (K, N) 16-bit words; p: (128, K / 16, 4) each thread's A words of P
         smem = cuda.shared.array(0, uint16)
         tid = cuda.threadIdx.x
@@ -185,7 +187,9 @@ def wgmma_kernel(N, K, storage):
         address = shared_address(smem, base)
         acc_ss = cuda.local.array((NT, 4), np.float32)
         acc_rs = cuda.local.array((NT, 4), np.float32)
+        acc_mn = cuda.local.array((NT, 4), np.float32)
         fill(acc_ss, NT, 4, np.float32(7))  # the first k-step must overwrite these
+        fill(acc_mn, NT, 4, np.float32(7))
         fill(acc_rs, NT, 4, np.float32(0))
         wgmma_fence()
         for kk in range(K // 16):
@@ -195,6 +199,12 @@ def wgmma_kernel(N, K, storage):
         for ks in range(K // 16):
             rs(acc_rs, p[tid, ks, 0], p[tid, ks, 1], p[tid, ks, 2], p[tid, ks, 3], smem,
                descriptor(address + 2 * V_AT + ks * 16 * 128, K * 128, 1024))
+            a_mn, v_mn = descriptor(address + ks * 16 * 128, K * 128, 1024), descriptor(
+                address + 2 * V_AT + ks * 16 * 128, K * 128, 1024)
+            if ks == 0:
+                mn_first(acc_mn, smem, a_mn, v_mn, 1)  # overwrites, whatever its flag says
+            else:
+                mn(acc_mn, smem, a_mn, v_mn, 1)
         wgmma_commit()
         wgmma_wait0()
         w, g, t = tid // 32, (tid % 32) // 4, tid % 4
@@ -203,6 +213,7 @@ def wgmma_kernel(N, K, storage):
                 row, col = 16 * w + g + 8 * (e // 2), 8 * j + 2 * t + e % 2
                 out_ss[row, col] = acc_ss[j, e]
                 out_rs[row, col] = acc_rs[j, e]
+                out_mn[row, col] = acc_mn[j, e]
 
     return kernel
 
@@ -230,13 +241,14 @@ def test_wgmma_products_from_swizzled_shared_memory(dtype, N, arrays):
     rng = np.random.default_rng(3)
     a, b, p = (rng.standard_normal(shape).astype(HALVES[dtype]) for shape in ((64, K), (N, K), (64, K)))
     v = rng.standard_normal((K, N)).astype(HALVES[dtype])
-    out_ss, out_rs = (to_device(np.zeros((64, N), np.float32)) for _ in range(2))
+    out_ss, out_rs, out_mn = (to_device(np.zeros((64, N), np.float32)) for _ in range(3))
     smem_bytes = 2 * (64 * K + N * K + K * 64 * -(-N // 64)) + 1024
-    wgmma_kernel(N, K, dtype)[1, 128, 0, smem_bytes](*(to_device(x.view(np.uint16)) for x in (a, b, v)),
-                                                     to_device(a_words(p)), out_ss, out_rs)
-    wide = lambda x: x.astype(np.float64)
+    wgmma_kernel(N, K, dtype)[1, 128, 0, smem_bytes](*(to_device(y.view(np.uint16)) for y in (a, b, v)),
+                                                     to_device(a_words(p)), out_ss, out_rs, out_mn)
+    wide = lambda y: y.astype(np.float64)
     np.testing.assert_allclose(to_host(out_ss), wide(a) @ wide(b).T, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(to_host(out_rs), wide(p) @ wide(v), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(to_host(out_mn), wide(a).T @ wide(v), rtol=1e-5, atol=1e-4)
 
 
 @cuda.jit

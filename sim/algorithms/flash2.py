@@ -8,9 +8,11 @@ Backward: D = rowsum(dO * O) first, then
 
 * ``dq="accumulate"`` (the paper): one pass per key block; dQ_i is read, updated and written back to
   HBM on every visible step (atomic adds on a GPU, so not deterministic there);
-* ``dq="separate"`` (numbaflash's kernels): a dK/dV pass per key block with no dQ traffic, then a dQ
-  pass per query block that keeps dQ_i on chip, recomputing S and P: more arithmetic, no atomics,
-  bitwise reproducible.
+* ``dq="separate"`` (numbaflash's deterministic kernels): a dK/dV pass per key block with no dQ traffic,
+  then a dQ pass per query block that keeps dQ_i on chip, recomputing S and P: more arithmetic, no
+  atomics, bitwise reproducible;
+* ``dq="atomic"`` (numbaflash's ``deterministic=False``): the paper's pass, dQ summed in a float32
+  workspace ``dQ_acc`` (zeroed first, atomic adds on a GPU), then rounded into dQ row block by row block.
 """
 
 import numpy as np
@@ -67,7 +69,7 @@ def _preprocess(h, p, blocks):
                     h.store(di, "D", vec(b, hq, r0, r1))
 
 
-def _key_block_pass(h, p, blocks, ctx, accumulate_dq):
+def _key_block_pass(h, p, blocks, ctx, accumulate_dq, dq_name="dQ"):
     """For each key block: dK_j, dV_j on chip over every visible query block of the head group."""
     d = p.headdim
     for b in range(p.batch):
@@ -87,7 +89,7 @@ def _key_block_pass(h, p, blocks, ctx, accumulate_dq):
                                 n = r1 - r0
                                 qi, doi = h.load("Q", rows(b, hq, r0, r1)), h.load("dO", rows(b, hq, r0, r1))
                                 lse, di = h.load("LSE", vec(b, hq, r0, r1)), h.load("D", vec(b, hq, r0, r1))
-                                dqi = h.load("dQ", rows(b, hq, r0, r1)) if accumulate_dq else None
+                                dqi = h.load(dq_name, rows(b, hq, r0, r1)) if accumulate_dq else None
                                 pt, ds = h.alloc("P_ij", (n, c1 - c0)), h.alloc("dS_ij", (n, c1 - c0))
                                 if h.compute:
                                     pt.a[:] = _probabilities(ctx, qi.a, kj.a, lse.a, r0, r1, c0, c1)
@@ -97,9 +99,18 @@ def _key_block_pass(h, p, blocks, ctx, accumulate_dq):
                                     if accumulate_dq:
                                         dqi.a[:] += ctx.scale * (ds.a @ kj.a)
                                 if accumulate_dq:
-                                    h.store(dqi, "dQ", rows(b, hq, r0, r1))
+                                    h.store(dqi, dq_name, rows(b, hq, r0, r1))
                     h.store(dkj, "dK", rows(b, hk, c0, c1))
                     h.store(dvj, "dV", rows(b, hk, c0, c1))
+
+
+def _round_dq(h, p, blocks):
+    """dQ = dQ_acc, read once and written once in the inputs' dtype."""
+    for b in range(p.batch):
+        for hq in range(p.nheads):
+            for i, r0, r1 in p.row_blocks(blocks.rows):
+                with h.step("dQ = dQ_acc", b=b, h=hq, i=i):
+                    h.store(h.load("dQ_acc", rows(b, hq, r0, r1)), "dQ", rows(b, hq, r0, r1))
 
 
 def _query_block_pass(h, p, blocks, ctx):
@@ -130,12 +141,15 @@ def _query_block_pass(h, p, blocks, ctx):
 
 def backward(h, p, blocks, ctx, dq="accumulate"):
     _preprocess(h, p, blocks)
-    if dq == "accumulate":
+    if dq in ("accumulate", "atomic"):
+        name = "dQ" if dq == "accumulate" else "dQ_acc"
         with h.step("init"):
             for b in range(p.batch):
                 for hq in range(p.nheads):
-                    h.fill("dQ", rows(b, hq, 0, p.seqlen_q), 0.0)
-        _key_block_pass(h, p, blocks, ctx, accumulate_dq=True)
+                    h.fill(name, rows(b, hq, 0, p.seqlen_q), 0.0)
+        _key_block_pass(h, p, blocks, ctx, accumulate_dq=True, dq_name=name)
+        if dq == "atomic":
+            _round_dq(h, p, blocks)
     else:
         _key_block_pass(h, p, blocks.key_pass, ctx, accumulate_dq=False)
         _query_block_pass(h, p, blocks, ctx)

@@ -156,6 +156,10 @@ def predict(plan, *, causal=False, window_size=(-1, -1), operands=None, gpu=None
     gpu = Gpu.current() if gpu is None else gpu
     if not isinstance(gpu, Gpu):
         raise TypeError(f"gpu must be None or a sim.hardware.Gpu; got {type(gpu).__name__}")
+    unmodelled = [launch.kernel for launch in plan.launches if launch.kernel not in WALKS]
+    if unmodelled:
+        raise ValueError(f"sim.hardware does not model {', '.join(unmodelled)} (the atomic dQ of deterministic=False) "
+                         "yet; a deterministic plan's launches it walks")
     ops = _operands(plan, operands)
     forward_vec = _vector_staging(plan, ops, ("q", "k", "v"))
     backward_vec = _vector_staging(plan, ops, ("q", "k", "v", "dout"))

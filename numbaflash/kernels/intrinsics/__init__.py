@@ -36,7 +36,10 @@ Hopper (compute capability 9.0, sm_90a; `ptx_hopper`):
 * ``shared_address(smem, i)``: the shared-window byte address of ``smem[i]`` (uint32).
 * ``wgmma_ss(n, storage)`` -> ``ss(acc, smem, desc_a, desc_b, accumulate)``: one warpgroup's
   ``wgmma.mma_async.m64n{n}k16.f32`` with A (64 x 16) and B (n x 16) in shared memory, both K-major,
-  ``acc = A B^T (+ acc if accumulate)``. ``rs(acc, a0, a1, a2, a3, smem, desc_b)`` from
+  ``acc = A B^T (+ acc if accumulate)``; ``wgmma_ss(n, storage, mn_major=True)``: both MN-major, A
+  stored as 16 rows of its 64 columns and B as 16 rows of n (``acc = A B``, A 64 x 16, B 16 x n); with
+  ``fresh=True`` the product overwrites ``acc`` whatever ``accumulate`` says, and ``acc``'s old values are
+  not its inputs (they need not stay in registers before it). ``rs(acc, a0, a1, a2, a3, smem, desc_b)`` from
   ``wgmma_rs(n, storage)``: ``acc += A B`` with A from registers (per warp, the m16n8k16 A fragment of
   its 16 rows) and B (16 x n) MN-major in shared memory. ``acc`` is a thread's (n / 8, 4) float32
   fragment array (rows ``16 w + g``, ``+ 8``; columns ``8 j + 2 t``, ``+ 1``, as mma.sync's C);
@@ -54,6 +57,8 @@ Hopper (compute capability 9.0, sm_90a; `ptx_hopper`):
   the bulk tensor copy of one box of map ``which`` of a `wgmma.tensor_maps` set (the simulator's
   ``TENSOR_MAPS`` registry) into ``smem[dst ..]``, its bytes delivered to the mbarrier at ``smem[barrier]``,
   after ``tensormap_acquire(maps, which)`` once per thread and map (the host wrote the maps).
+* ``red_add2(arr, i, x, y)``: ``arr[i] += x`` and the element after it ``+= y`` (a float32 global array,
+  ``i`` a tuple of indices whose last is even), atomically, as one ``red.global.add.v2.f32``.
 * ``setmaxnreg_inc(count)()`` / ``setmaxnreg_dec(count)()``: the warpgroup's registers per thread
   raised or lowered to ``count`` (on the simulator, nothing).
 """

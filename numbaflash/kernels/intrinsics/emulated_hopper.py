@@ -66,7 +66,7 @@ def k_major(smem, desc, rows, dtype):
     return np.asarray(smem).view(np.uint16)[address // 2].view(dtype).astype(np.float64)
 
 
-def mn_major(smem, desc, cols, dtype):
+def mn_major_operand(smem, desc, cols, dtype):
     """The (16, cols) operand an MN-major descriptor addresses: row k, column n at start + (n // 64)
     leading + (k // 8) stride + (k % 8) 128 + 2 (n % 64) bytes, swizzled."""
     start, leading, stride = decode(desc)
@@ -101,12 +101,16 @@ def _product(n, threads, a, b, accumulate):
 
 
 @functools.lru_cache(maxsize=None)
-def wgmma_ss(n, storage):
+def wgmma_ss(n, storage, mn_major=False, fresh=False):
     dtype = DTYPES[storage]
 
     def ss(acc, smem, desc_a, desc_b, accumulate):
         def product(threads):
             _, da, db, flag = threads[0]
+            flag = flag and not fresh
+            if mn_major:
+                return _product(n, threads, mn_major_operand(smem, da, 64, dtype).T,
+                                mn_major_operand(smem, db, n, dtype), flag)
             return _product(n, threads, k_major(smem, da, 64, dtype), k_major(smem, db, n, dtype).T, flag)
 
         flat = acc.reshape(-1)
@@ -125,7 +129,7 @@ def wgmma_rs(n, storage):
             words = np.array([x[1] for x in threads], dtype=np.uint32)  # (128, 4)
             a = np.zeros((64, 16), dtype=np.float64)
             a[_a_at()] = words.view(dtype).reshape(WARPGROUP, 4, 2)
-            return _product(n, threads, a, mn_major(smem, threads[0][2], n, dtype), True)
+            return _product(n, threads, a, mn_major_operand(smem, threads[0][2], n, dtype), True)
 
         flat = acc.reshape(-1)
         d, rank = group_result((flat[:n // 2].copy(), (a0, a1, a2, a3), int(desc_b)), product, WARPGROUP)
@@ -223,3 +227,12 @@ def tma_load_4d(smem, dst, maps, which, c0, c1, c2, c3, barrier):
     address = _swizzle(int(dst) * 2 + r * 128 + col * 2)  # the copy engine writes the 128-byte swizzle
     np.asarray(smem)[address // 2] = box
     _mbarriers()[int(barrier)].complete_tx(rows * 64 * 2)
+
+
+_red_lock = threading.Lock()
+
+
+def red_add2(arr, i, x, y):
+    with _red_lock:  # a read-modify-write that no other simulated thread interleaves
+        arr[i] += np.float32(x)
+        arr[i[:-1] + (i[-1] + 1,)] += np.float32(y)

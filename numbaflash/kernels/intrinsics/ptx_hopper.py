@@ -13,7 +13,7 @@ from llvmlite import ir
 from numba import types
 from numba.cuda.extending import intrinsic
 
-from .ptx import _asm, _barrier_asm, _shared_address
+from .ptx import _asm, _barrier_asm, _element_pointer, _indexes, _shared_address
 
 KIND = {"float16": "f16", "bfloat16": "bf16"}
 
@@ -46,24 +46,30 @@ def _is_fragment_array(acc):
     return isinstance(acc, types.Array) and acc.dtype == types.float32 and acc.layout == "C"
 
 
-def _wgmma(builder, pointers, operand_types, operand_constraints, operands, text):
+def _wgmma(builder, pointers, operand_types, operand_constraints, operands, text, fresh=False):
+    """``fresh``: the product overwrites the accumulators (scale-d false), so their old values are not inputs
+    and need not stay live before it (in a loop, across the back edge)."""
     f32 = ir.FloatType()
     count = len(pointers)
-    values = [builder.load(p) for p in pointers]
-    res = _asm(builder, operand_types + [f32] * count, ir.LiteralStructType([f32] * count), text,
-               ",".join(["=f"] * count + operand_constraints + [str(i) for i in range(count)]),
+    values = [] if fresh else [builder.load(p) for p in pointers]
+    res = _asm(builder, operand_types + [f32] * len(values), ir.LiteralStructType([f32] * count), text,
+               ",".join(["=f"] * count + operand_constraints + [str(i) for i in range(len(values))]),
                operands + values, True)
     for i, p in enumerate(pointers):
         builder.store(builder.extract_value(res, i), p)
 
 
 @functools.lru_cache(maxsize=None)
-def wgmma_ss(n, storage):
+def wgmma_ss(n, storage, mn_major=False, fresh=False):
     count, kind = n // 2, KIND[storage]
     regs = ",".join(f"${i}" for i in range(count))
-    # scale-d is a predicate: 0 overwrites the accumulators (the first k-step of a product), 1 adds.
-    text = (f"{{ .reg .pred p; setp.ne.b32 p, ${count + 2}, 0; wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind} "
-            f"{{{regs}}}, ${count}, ${count + 1}, p, 1, 1, 0, 0; }}")
+    # scale-d is a predicate: 0 overwrites the accumulators (the first k-step of a product), 1 adds; ``fresh``
+    # always overwrites, and the accumulators' old values are not the instruction's inputs (`_wgmma`). With
+    # ``mn_major`` both operands are transposed (imm-trans-a = imm-trans-b = 1): A's M and B's N run along rows.
+    trans = int(mn_major)
+    scale_d = "setp.ne.b32 p, 0, 0;" if fresh else f"setp.ne.b32 p, ${count + 2}, 0;"
+    text = (f"{{ .reg .pred p; {scale_d} wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind} "
+            f"{{{regs}}}, ${count}, ${count + 1}, p, 1, 1, {trans}, {trans}; }}")
 
     @intrinsic
     def ss(typingctx, acc, smem, desc_a, desc_b, accumulate):
@@ -75,7 +81,7 @@ def wgmma_ss(n, storage):
             i64, i32 = ir.IntType(64), ir.IntType(32)
             flag = context.cast(builder, args[4], signature.args[4], types.int32)
             _wgmma(builder, _fragments(context, builder, signature.args[0], args[0], count), [i64, i64, i32],
-                   ["l", "l", "r"], [args[2], args[3], flag], text)
+                   ["l", "l", "r"], [args[2], args[3], flag], text, fresh)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -220,6 +226,25 @@ def tma_load_4d(typingctx, smem, dst, maps, which, c0, c1, c2, c3, barrier):
              "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
              "[$0], [$1, {$2, $3, $4, $5}], [$6];", "r,l,r,r,r,r,r,~{memory}",
              [dst_address, tmap] + coords + [bar_address], True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def red_add2(typingctx, arr, i, x, y):
+    """``arr[i] += x`` and the next element ``+= y``, atomically, by one ``red.global.add.v2.f32`` (sm_90; no
+    value returned, so nothing waits for it); ``i`` indexes a float32 global array, its last index even."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.float32 and _indexes(arr, i)):
+        return None
+    sig = types.void(arr, i, types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        ptr = _element_pointer(context, builder, signature.args[0], args[0], args[1], signature.args[1])
+        address = builder.ptrtoint(ptr, ir.IntType(64))
+        values = [context.cast(builder, v, t, types.float32) for v, t in zip(args[2:], signature.args[2:])]
+        _asm(builder, [ir.IntType(64), ir.FloatType(), ir.FloatType()], ir.VoidType(),
+             "red.global.add.v2.f32 [$0], {$1, $2};", "l,f,f,~{memory}", [address] + values, True)
         return context.get_dummy_value()
 
     return sig, codegen

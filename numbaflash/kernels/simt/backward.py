@@ -131,6 +131,26 @@ def build_preprocess(D, tiles, storage, mods=NONE):
     return attention_backward_preprocess, signature
 
 
+def build_dq_postprocess(D, tiles, storage, mods=NONE):
+    """dQ[b, i, h, d] = scale * dq_acc[b, h, i, d], rounded to the storage dtype, one warp per row: the last step
+    of a backward that accumulates dQ in float32 (`wgmma.ws_backward.build_dkdv_dq`); the head dim's padding
+    columns are dropped."""
+    ACC, _, from_acc = elements.codec(storage)
+    storage_type = types.Array(from_dtype(elements.kernel_dtype(storage)), 4, "A")
+    signature = (types.Array(types.float32, 4, "C"), storage_type, types.float32)
+
+    def attention_backward_dq_postprocess(dq_acc, dq, scale):
+        # dq_acc: (batch, nheads, seqlen_q rounded up, D) float32; dq: (batch, seqlen_q, nheads, headdim)
+        h, b = cuda.blockIdx.y, cuda.blockIdx.z
+        lane = cuda.threadIdx.x % 32
+        row = cuda.blockIdx.x * PREPROCESS_ROWS + cuda.threadIdx.x // 32
+        if row < dq.shape[1]:
+            for d in range(lane, dq.shape[3], 32):
+                dq[b, row, h, d] = from_acc(ACC(dq_acc[b, h, row, d] * scale))
+
+    return attention_backward_dq_postprocess, signature
+
+
 def build_dkdv(D, tiles, storage, mods=NONE):
     sequence = sequences(mods)
     PACKED = mods.packed

@@ -28,12 +28,13 @@ from ..blocks import key_block, query_block, tensor_core_backward
 from ..fragments import fill, fragment_writer
 from ..gradients import row_steps, stats_stager
 from ..intrinsics import (device_function, mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init,
-                         named_barrier_sync, setmaxnreg_dec, setmaxnreg_inc, shared_address, tensormap_acquire)
+                         named_barrier_sync, red_add2, setmaxnreg_dec, setmaxnreg_inc, shared_address, tensormap_acquire,
+                         wgmma_commit, wgmma_fence, wgmma_ss, wgmma_wait0)
 from ..mods import modifiers
 from . import tensor_maps
 from .backward import dkdv_step, dq_step
 from .pipeline import BARRIER_ELEMENTS, PRODUCER, bulk_copier, check_registers, release, wait
-from .tiles import ALIGN, aligned_base
+from .tiles import ALIGN, ATOM, advance, aligned_base, operand
 
 STATS_THREADS = 32  # the producer's first warp copies each query tile's LSE and D
 # Registers per thread after setmaxnreg (see `pipeline.REGISTERS`): the dK/dV producer also copies LSE and D,
@@ -43,6 +44,9 @@ REGISTERS = check_registers({1: (56, 256), 2: (40, 232)})
 # registers at entry, ignores setmaxnreg (warning C7508) and keeps every thread at 168, where the headdim-64
 # dK/dV kernel spilled 188 bytes.
 MIN_BLOCKS = 1
+DS_TILES = 2  # dS^T tiles of the dK/dV kernel that accumulates dQ: one is written while the other is read
+DS_BARRIER = 3  # the named barrier of its consumers (1 and 2 are each warpgroup's own)
+DQ_ACC = types.Array(types.float32, 4, "C")
 
 
 def tensor_map_args(q, k, v, dout, tiles):
@@ -52,12 +56,13 @@ def tensor_map_args(q, k, v, dout, tiles):
             tensor_maps.maps([(q, owned), (dout, owned), (k, streamed), (v, streamed)]))
 
 
-def layout_dkdv(D, tiles):
+def layout_dkdv(D, tiles, accumulate_dq=False):
     """Element offsets from the aligned base: K and V (block_m rows), the Q and dO rings (stages of block_n
-    rows), the rings' LSE and D (float32), the mbarriers (K and V full; full and empty per stage), the end."""
+    rows), with ``accumulate_dq`` two dS^T tiles (block_m keys x block_n queries; none otherwise), the rings'
+    LSE and D (float32), the mbarriers (K and V full; full and empty per stage), the end."""
     sizes = (tiles.block_m * D, tiles.block_m * D, tiles.stages * tiles.block_n * D,
-             tiles.stages * tiles.block_n * D, tiles.stages * 2 * tiles.block_n * 2,
-             (1 + 2 * tiles.stages) * BARRIER_ELEMENTS)
+             tiles.stages * tiles.block_n * D, DS_TILES * tiles.block_m * tiles.block_n if accumulate_dq else 0,
+             tiles.stages * 2 * tiles.block_n * 2, (1 + 2 * tiles.stages) * BARRIER_ELEMENTS)
     return tuple(sum(sizes[:i]) for i in range(len(sizes) + 1))
 
 
@@ -68,8 +73,8 @@ def layout_dq(D, tiles):
     return tuple(sum(sizes[:i]) for i in range(len(sizes) + 1))
 
 
-def smem_bytes_dkdv(D, tiles):
-    return 2 * layout_dkdv(D, tiles)[-1] + ALIGN
+def smem_bytes_dkdv(D, tiles, accumulate_dq=False):
+    return 2 * layout_dkdv(D, tiles, accumulate_dq)[-1] + ALIGN
 
 
 def smem_bytes_dq(D, tiles):
@@ -83,13 +88,60 @@ def _registers(tiles):
 
 def build_dkdv(D, tiles, storage, mods=NONE):
     """The dK/dV kernel for padded head dim ``D`` (64 or 128), `WgmmaTiles` with a producer, float16/bfloat16."""
+    return _build_key_pass(D, tiles, storage, mods, accumulate_dq=False)
+
+
+def build_dkdv_dq(D, tiles, storage, mods=NONE):
+    """The dK/dV kernel that also accumulates dQ (``deterministic=False``): it takes a float32 ``dq_acc``
+    (batch, nheads, seqlen_q rounded up to block_n, D) of zeros after dv, and adds dS K into it."""
+    return _build_key_pass(D, tiles, storage, mods, accumulate_dq=True)
+
+
+def dq_accumulator(D, tiles, storage):
+    """``add_dq(smem, address, ds_at, k_at, dq, dq_acc, it, wg, b, h, q_start, warp, g, t)``: dQ += dS K for the
+    query tile of iteration ``it``, from the dS^T tile at element ``ds_at`` (every consumer's 64 keys) and the
+    block's K at ``k_at``, in 64-column chunks of the head dim: chunk c is warpgroup (it + c) % CONSUMERS's, so
+    at headdim 64 two consumers take turns. A chunk's 64 x 64 float32 (``dq``: its (8, 4) fragment array) is
+    added to ``dq_acc`` with atomics. Waits for every wgmma of the warpgroup.
+
+    Each consumer adding its own keys' part instead (no barrier between the consumers, twice the atomics) ran
+    0.66-0.73x SDPA flash at headdim 64 against 0.69-0.78x (H100, fp16, .bench/atomicbwd.py)."""
+    BLOCK_M, CONSUMERS, CHUNKS = tiles.block_m, tiles.warpgroups, D // ATOM
+    first, product = wgmma_ss(ATOM, storage, mn_major=True, fresh=True), wgmma_ss(ATOM, storage, mn_major=True)
+    K_STEP = 16 * ATOM * 2  # bytes: 16 rows of a 64-column atom, along both operands' K (keys)
+
+    @device_function
+    def add_dq(smem, address, ds_at, k_at, dq, dq_acc, it, wg, b, h, q_start, warp, g, t):
+        ds_desc = operand(address, ds_at, BLOCK_M, True)
+        row = q_start + 16 * warp + g
+        # The chunks with (it + c) % CONSUMERS == wg; a loop from a computed start, where one over every chunk
+        # with a test in it left 8 bytes of local memory at headdim 64 and ran 5% slower (H100 JIT).
+        for c in range((wg - it) % CONSUMERS, CHUNKS, CONSUMERS):
+            k_desc = operand(address, k_at + c * BLOCK_M * ATOM, BLOCK_M, True)
+            wgmma_fence()
+            first(dq, smem, ds_desc, k_desc, 0)  # dq's old values are not inputs: not live between tiles
+            for ks in range(1, BLOCK_M // 16):
+                product(dq, smem, advance(ds_desc, ks * K_STEP), advance(k_desc, ks * K_STEP), 1)
+            wgmma_commit()
+            wgmma_wait0()
+            for j in range(ATOM // 8):
+                for half in range(2):
+                    red_add2(dq_acc, (b, h, row + 8 * half, c * ATOM + 8 * j + 2 * t), dq[j, 2 * half],
+                             dq[j, 2 * half + 1])
+
+    return add_dq
+
+
+def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
     BLOCK_M, BLOCK_N, CONSUMERS, STAGES = tiles.block_m, tiles.block_n, tiles.warpgroups, tiles.stages
-    NT, DT, PS = BLOCK_N // 8, D // 8, BLOCK_N // 16
-    K_AT, V_AT, Q_AT, DO_AT, STATS_AT, BAR_AT, _ = layout_dkdv(D, tiles)
+    NT, DT, PS, AT = BLOCK_N // 8, D // 8, BLOCK_N // 16, ATOM // 8
+    K_AT, V_AT, Q_AT, DO_AT, DS_AT, STATS_AT, BAR_AT, _ = layout_dkdv(D, tiles, accumulate_dq)
     KV_FULL, FULL, EMPTY = BAR_AT, BAR_AT + BARRIER_ELEMENTS, BAR_AT + (1 + STAGES) * BARRIER_ELEMENTS
     TILE = BLOCK_N * D  # elements of one Q or dO stage
+    ACCUMULATE_DQ = accumulate_dq
     copy_tile = bulk_copier(D)
-    operands, step = dkdv_step(D, tiles, storage, mods)
+    operands, step = dkdv_step(D, tiles, storage, mods, ds_out=accumulate_dq)
+    add_dq = dq_accumulator(D, tiles, storage) if accumulate_dq else None
     load_stats, store_stats, PER_THREAD = stats_stager(BLOCK_N, STATS_THREADS)
     modifier = modifiers(mods, types.float32, fast=True)
     prepare, natural = modifier.prepare, modifier.natural
@@ -121,9 +173,10 @@ def build_dkdv(D, tiles, storage, mods=NONE):
             store_stats(stats, (base + STATS_AT) // 2 + s * 2 * BLOCK_N, regs, lane)
             mbarrier_arrive(smem, full)  # releases this thread's LSE and D stores with it
 
-    def attention_backward_dkdv_wgmma_ws(q, k, v, dout, lse, delta, dk, dv, scale_log2, left, right, vec, maps, mod):
+    @device_function
+    def key_pass(q, k, v, dout, lse, delta, dk, dv, dq_acc, scale_log2, left, right, vec, maps, mod):
         # q, dout: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v, dk, dv: (batch, seqlen_k, nheads_kv,
-        # headdim); lse, delta: (batch, nheads, seqlen_q)
+        # headdim); lse, delta: (batch, nheads, seqlen_q); dq_acc: see build_dkdv_dq (unused without it)
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         group = q.shape[2] // k.shape[2]
         b, hk, key_start, q_lo, q_hi = key_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
@@ -159,6 +212,7 @@ def build_dkdv(D, tiles, storage, mods=NONE):
 
         if ntiles > 0:
             stats = cuda.shared.array(0, types.float32)  # the same memory: the rings' LSE and D
+            words = cuda.shared.array(0, types.uint32)  # and in 32-bit words: the dS^T tiles
             # A: the warpgroup's 64 keys of K and V; B: the streamed Q and dO, K-major for S^T and dP^T,
             # MN-major for dK and dV.
             descs = operands(shared_address(smem, base), K_AT, V_AT, Q_AT, DO_AT, wg)
@@ -167,6 +221,7 @@ def build_dkdv(D, tiles, storage, mods=NONE):
             dlogit = cuda.local.array((NT, 4), types.float32)  # with modifications: d modified / d score
             p = cuda.local.array((PS, 4), types.uint32)  # P^T rounded to 16 bits: the A operand of dV += P^T dO
             d_s = cuda.local.array((PS, 4), types.uint32)  # dS^T rounded: of dK += dS^T Q
+            dq_frag = cuda.local.array((AT, 4), types.float32)  # a 64 x 64 chunk of dS K
             wait(smem, base + KV_FULL, 0)
 
             for it in range(ntiles):
@@ -178,14 +233,22 @@ def build_dkdv(D, tiles, storage, mods=NONE):
                 st = (base + STATS_AT) // 2 + stage * 2 * BLOCK_N
                 wait(smem, base + FULL + stage * BARRIER_ELEMENTS, (it // STAGES) & 1)
 
+                ds_at = DS_AT + (it % DS_TILES) * BLOCK_M * BLOCK_N
                 step(smem, descs, at, s, dp, dlogit, p, d_s, dk_acc, dv_acc, stats, st, q_start, warp_key, key_start,
-                     g, t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh)
-                # The warpgroup's threads read the stage's LSE and D with ordinary loads: its barrier completes
+                     g, t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh, words, (base + ds_at) // 2)
+                # The warpgroup's threads read the stage's LSE and D with ordinary loads: a barrier completes
                 # those reads before the one arrival, which releases them to the producer's next stores. racecheck
                 # does not follow that chain (12 hazards on these reads in scripts/sanitize.py); an arrival by every
                 # thread, on one mbarrier or one per warp, satisfied it (0 hazards) but ran 0.73-0.75x SDPA flash
                 # at headdim 128 against 0.93-0.98x (H100, fp16, .bench/racebwd.py).
-                named_barrier_sync(1 + wg, 128)
+                if ACCUMULATE_DQ:
+                    # Every consumer's dS^T is in its tile; the tile written next was last read by the products
+                    # of two tiles ago, which every consumer waited for before this barrier.
+                    named_barrier_sync(DS_BARRIER, 128 * CONSUMERS)
+                    add_dq(smem, shared_address(smem, base), ds_at, K_AT, dq_frag, dq_acc, it, wg, b, h, q_start,
+                           warp, g, t)
+                else:
+                    named_barrier_sync(1 + wg, 128)
                 release(smem, base + EMPTY + stage * BARRIER_ELEMENTS, ctid)
 
         # dK = scale dS^T Q with scale = scale_log2 ln(2) (the scale argument with modifications); the rows past
@@ -193,6 +256,17 @@ def build_dkdv(D, tiles, storage, mods=NONE):
         scale = natural(scale_log2)
         write_grad(dk, b, warp_key, hk, dk_acc, 0, scale, scale, g, t)
         write_grad(dv, b, warp_key, hk, dv_acc, 0, ONE, ONE, g, t)
+
+    if accumulate_dq:
+        def attention_backward_dkdvdq_wgmma_ws(q, k, v, dout, lse, delta, dk, dv, dq_acc, scale_log2, left, right, vec,
+                                               maps, mod):
+            key_pass(q, k, v, dout, lse, delta, dk, dv, dq_acc, scale_log2, left, right, vec, maps, mod)
+
+        signature = _signature(2, mods)
+        return attention_backward_dkdvdq_wgmma_ws, signature[:8] + (DQ_ACC,) + signature[8:]
+
+    def attention_backward_dkdv_wgmma_ws(q, k, v, dout, lse, delta, dk, dv, scale_log2, left, right, vec, maps, mod):
+        key_pass(q, k, v, dout, lse, delta, dk, dv, dk, scale_log2, left, right, vec, maps, mod)
 
     return attention_backward_dkdv_wgmma_ws, _signature(2, mods)
 
@@ -291,7 +365,7 @@ def build_dq(D, tiles, storage, mods=NONE):
     return attention_backward_dq_wgmma_ws, _signature(1, mods)
 
 
-build_dkdv.min_blocks = build_dq.min_blocks = MIN_BLOCKS
+build_dkdv.min_blocks = build_dkdv_dq.min_blocks = build_dq.min_blocks = MIN_BLOCKS
 
 
 def _signature(n_outputs, mods):
