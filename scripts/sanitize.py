@@ -40,6 +40,8 @@ def grid():
                                  ((b, nq, h, d), (b, nk, hk, d), (b, nk, hk, d), (b, nq, h, d)))
                 out, lse = numbaflash.attention(q, k, v, return_lse=True, **mask)
                 numbaflash.attention_backward(dout, q, k, v, out, lse, **mask)
+                if dtype == "float16":  # on Hopper at head dims 40 and 64: the atomic dQ (red.global.add)
+                    numbaflash.attention_backward(dout, q, k, v, out, lse, deterministic=False, **mask)
                 if dtype == "float16" and d == 64 and cupy.cuda.Device().compute_capability == "90":
                     # The two ping-pong consumers that modified calls run at headdim 64, and headdim 256's v5.
                     plan = tiling.make_plan(b, h, hk, nq, nk, d, dtype, tiles=tiling.WGMMA_MODIFIED_TILES[64])
