@@ -158,40 +158,33 @@ def to_host(op):
 
 def empty(like, shape, dtype):
     """An uninitialized array of ``dtype`` ("float32", "bfloat16", ...) of the same kind and device as ``like``."""
-    if like.kind == "numpy":
-        return np.empty(shape, dtype=_numpy_dtype(dtype))
-    if like.kind == "torch":
-        import torch
-
-        return torch.empty(shape, dtype=getattr(torch, dtype), device=like.obj.device)
-    try:
-        import cupy
-    except ImportError:
-        from numba import cuda
-
-        with cuda.gpus[like.device]:
-            return cuda.device_array(shape, dtype=_numpy_dtype(dtype))
-    with cupy.cuda.Device(like.device):
-        return cupy.empty(shape, dtype=_numpy_dtype(dtype))
+    return _allocate(like, shape, dtype, "empty")
 
 
 def zeros(like, shape, dtype):
     """`empty`, filled with zeros (on the GPU by the library's fill, on its current stream)."""
+    return _allocate(like, shape, dtype, "zeros")
+
+
+def _allocate(like, shape, dtype, how):
+    """``how`` ("empty" or "zeros") of NumPy, torch or CuPy, the library of ``like``, on its device."""
     if like.kind == "numpy":
-        return np.zeros(shape, dtype=_numpy_dtype(dtype))
+        return getattr(np, how)(shape, dtype=_numpy_dtype(dtype))
     if like.kind == "torch":
         import torch
 
-        return torch.zeros(shape, dtype=getattr(torch, dtype), device=like.obj.device)
+        return getattr(torch, how)(shape, dtype=getattr(torch, dtype), device=like.obj.device)
     try:
         import cupy
     except ImportError:
         from numba import cuda
 
         with cuda.gpus[like.device]:
-            return cuda.to_device(np.zeros(shape, dtype=_numpy_dtype(dtype)))
+            if how == "zeros":
+                return cuda.to_device(np.zeros(shape, dtype=_numpy_dtype(dtype)))
+            return cuda.device_array(shape, dtype=_numpy_dtype(dtype))
     with cupy.cuda.Device(like.device):
-        return cupy.zeros(shape, dtype=_numpy_dtype(dtype))
+        return getattr(cupy, how)(shape, dtype=_numpy_dtype(dtype))
 
 
 def from_host(like, array):
