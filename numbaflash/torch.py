@@ -43,11 +43,12 @@ def _to_tensors(arrays, like):
 class Attention(torch.autograd.Function):
     """out = softmax(scale Q K^T + mask) V; saves q, k, v, out and the log-sum-exp for the backward.
 
-    ``lengths``: None, or a varlen call's ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)``."""
+    ``lengths``: None, or a varlen call's ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)``;
+    ``backward_options``: what only the backward takes (``deterministic``)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, lengths, options):
-        ctx.options = options
+    def forward(ctx, q, k, v, lengths, options, backward_options):
+        ctx.options, ctx.backward_options = options, backward_options
         ctx.lengths = () if lengths is None else (*_to_arrays(lengths[:2]), *lengths[2:])
         forward = interface.attention if lengths is None else varlen.attention_varlen
         out, lse = _to_tensors(forward(*_to_arrays((q, k, v)), *ctx.lengths, return_lse=True, **options), q)
@@ -58,8 +59,8 @@ class Attention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         backward = interface.attention_backward if not ctx.lengths else varlen.attention_varlen_backward
-        grads = backward(*_to_arrays((dout, q, k, v, out, lse)), *ctx.lengths, **ctx.options)
-        return (*_to_tensors(grads, q), None, None)
+        grads = backward(*_to_arrays((dout, q, k, v, out, lse)), *ctx.lengths, **ctx.options, **ctx.backward_options)
+        return (*_to_tensors(grads, q), None, None, None)
 
 
 def _options(function, q, k, v, causal, softmax_scale, window_size, modifications, **more_tensors):
@@ -89,17 +90,18 @@ def _options(function, q, k, v, causal, softmax_scale, window_size, modification
 
 
 def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-              score_mod=None, score_mod_grad=None, mask_mod=None, mod_args=(), block_mask=None):
+              score_mod=None, score_mod_grad=None, mask_mod=None, mod_args=(), block_mask=None, deterministic=True):
     """Differentiable `numbaflash.attention` on torch tensors; shapes, dtypes, masks and modifications as there.
 
     q ``(batch, seqlen_q, nheads, headdim)``, k and v ``(batch, seqlen_k, nheads_kv, headdim)``; returns
     out shaped like q. Gradients flow to q, k and v (not to alibi_slopes or mod_args); a score_mod needs
-    its score_mod_grad when a gradient is asked for.
+    its score_mod_grad when a gradient is asked for. ``deterministic``: as `numbaflash.attention_backward`'s.
     """
     options = _options("attention", q, k, v, causal, softmax_scale, window_size, dict(
         softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod, score_mod_grad=score_mod_grad,
         mask_mod=mask_mod, mod_args=mod_args))
-    return Attention.apply(q, k, v, None, dict(options, block_mask=block_mask))
+    arguments.flag(deterministic, "deterministic")
+    return Attention.apply(q, k, v, None, dict(options, block_mask=block_mask), dict(deterministic=deterministic))
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, softmax_scale=None,
@@ -113,4 +115,4 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     options = _options("attention_varlen", q, k, v, causal, softmax_scale, window_size, dict(
         softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod, score_mod_grad=score_mod_grad,
         mask_mod=mask_mod, mod_args=mod_args), cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-    return Attention.apply(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), options)
+    return Attention.apply(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), options, {})

@@ -38,6 +38,22 @@ def test_forward_and_backward_match_the_reference(device):
         np.testing.assert_allclose(got.cpu().numpy(), want, rtol=1e-4, atol=1e-5)
 
 
+def test_deterministic_false_reaches_the_backward(device, monkeypatch):
+    """deterministic goes to attention_backward (where the plan decides what it changes), checked as a bool."""
+    from numbaflash import interface
+
+    seen = []
+    backward = interface.attention_backward
+    monkeypatch.setattr(interface, "attention_backward", lambda *a, **kw: seen.append(kw["deterministic"]) or backward(
+        *a, **kw))
+    case = Case(1, 6, 6, 1, 1, 8, "float32", seed=14)
+    q, k, v = (torch.tensor(x, device=device, requires_grad=True) for x in inputs(case))
+    nf_torch.attention(q, k, v, deterministic=False).sum().backward()
+    assert seen == [False] and q.grad.shape == q.shape
+    with pytest.raises(TypeError, match="deterministic"):
+        nf_torch.attention(q, k, v, deterministic="no")
+
+
 def test_bfloat16_tensors_round_trip(device):
     case = Case(1, 7, 7, 1, 1, 8, "float32", seed=13)
     q, k, v = (torch.tensor(x, device=device).to(torch.bfloat16) for x in inputs(case))
