@@ -149,7 +149,7 @@ def check(dtype, q, k, v, dout, causal, out, grads):
     return rows
 
 
-def run_case(dtype, headdim, seqlen, causal, backward, tilings=None, memory=False):
+def run_case(dtype, headdim, seqlen, causal, backward, tilings=None, memory=False, deterministic=True):
     torch = _torch()
     import cupy
 
@@ -167,16 +167,18 @@ def run_case(dtype, headdim, seqlen, causal, backward, tilings=None, memory=Fals
     total = flops(batch, NHEADS, seqlen, headdim, causal, backward)
 
     out, lse = numbaflash.attention(q, k, v, causal=causal, return_lse=True)
-    grads = numbaflash.attention_backward(dout, q, k, v, out, lse, causal=causal) if backward else None
+    grads = (numbaflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic)
+             if backward else None)
     result["check"] = [(e, r, ok) for e, r, ok in check(dtype, q, k, v, dout, causal, out, grads)]
     result["correct"] = all(ok for _, _, ok in result["check"])
     if backward:
-        fn = lambda: numbaflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+        fn = lambda: numbaflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic)
     else:
         fn = lambda: numbaflash.attention(q, k, v, causal=causal)
     result["numbaflash"] = total / time_ms(fn) / 1e9
     result["matmul_peak"] = matmul_peak(dtype)
-    result["plan"] = numbaflash.plan(q, k, v, causal=causal, backward=backward).kernel
+    plan = numbaflash.plan(q, k, v, causal=causal, backward=backward, deterministic=deterministic)
+    result["plan"] = plan.kernel + ("" if plan.dq_strategy == "separate" or not backward else f" ({plan.dq_strategy} dQ)")
     if tilings:
         tensor_cores = (tiling.MmaTiles, tiling.WgmmaTiles)
         planned = isinstance(numbaflash.plan(q, k, v, causal=causal, backward=backward).tiles, tensor_cores)
@@ -305,6 +307,8 @@ def main(argv=None):
     parser.add_argument("--tilings", action="store_true", help="also time each kernel's candidate tilings")
     parser.add_argument("--memory-demo", action="store_true")
     parser.add_argument("--memory", action="store_true", help="measure the peak extra memory of forward calls")
+    parser.add_argument("--deterministic", choices=["yes", "no"], default="yes",
+                        help="the backward's deterministic argument (no: atomic dQ where the plan has it)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
     if args.memory_demo:
@@ -319,7 +323,8 @@ def main(argv=None):
             for d in args.headdims:
                 for n in seqlens:
                     for causal in causals:
-                        results.append(run_case(dtype, d, n, causal, backward, candidates, args.memory))
+                        results.append(run_case(dtype, d, n, causal, backward, candidates, args.memory,
+                                                args.deterministic == "yes"))
                         print(table(results[-1:]).splitlines()[-1], f"({results[-1]['seconds']:.0f} s)", flush=True)
                         variants = {k[6:]: round(v, 1) for k, v in results[-1].items() if k.startswith("tiles ")}
                         if variants:
