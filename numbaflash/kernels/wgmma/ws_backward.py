@@ -105,7 +105,9 @@ def dq_accumulator(D, tiles, storage):
     added to ``dq_acc`` with atomics. Waits for every wgmma of the warpgroup.
 
     Each consumer adding its own keys' part instead (no barrier between the consumers, twice the atomics) ran
-    0.66-0.73x SDPA flash at headdim 64 against 0.69-0.78x (H100, fp16, .bench/atomicbwd.py)."""
+    0.66-0.73x SDPA flash at headdim 64 against 0.69-0.78x (H100, fp16, .bench/atomicbwd.py). Letting the
+    consumer that owns no chunk of a tile only arrive at the barrier and go on (safe with alternating dS^T
+    tiles) ran 0.64-0.77x, within the runs' spread, so the simpler wait of both stays."""
     BLOCK_M, CONSUMERS, CHUNKS = tiles.block_m, tiles.warpgroups, D // ATOM
     first, product = wgmma_ss(ATOM, storage, mn_major=True, fresh=True), wgmma_ss(ATOM, storage, mn_major=True)
     K_STEP = 16 * ATOM * 2  # bytes: 16 rows of a 64-column atom, along both operands' K (keys)
