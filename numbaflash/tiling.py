@@ -4,6 +4,7 @@ Computed in one place from the shapes, the dtype and the device, and used by the
 `numbaflash.explain` and by `sim.count_io(plan=...)`, so the simulator counts the schedule the GPU ran.
 """
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -244,9 +245,10 @@ WGMMA_CP_ASYNC_BACKWARD_TILES = {64: WgmmaTiles(64, 64, 1), 128: WgmmaTiles(64, 
 SIMULATOR_WGMMA_BACKWARD_TILES = WgmmaTiles(64, 16, 1, producer=True, tma=True)
 # deterministic=False: v5's dK/dV kernel also forms dQ = dS K from its dS^T, stored in shared memory as rows
 # of this many query columns (one swizzle atom, wgmma's M), and adds it to a float32 dQ with atomics, at the
-# padded head dims below. H100, fp16 and bf16, N = 2048 to 16384, causal and not (.bench/atomicbwd.py): at 64
-# it ran 0.69-0.78x SDPA flash against the two passes' 0.61-0.69x; at 128 0.80-0.88x against 0.85-0.98x (its
-# dK/dV kernel spilled 168 bytes, and the consumers wait for each other at every tile).
+# padded head dims below. H100, N = 2048 to 16384, causal and not: at 64 it ran 0.67-0.79x SDPA flash against
+# the two passes' 0.60-0.66x (fp16 and bf16, scripts/bench.py --deterministic no / yes); at 128 0.80-0.88x
+# against 0.85-0.98x (fp16, .bench/atomicbwd.py; its dK/dV kernel spilled 168 bytes, and the consumers wait
+# for each other at every tile).
 WGMMA_ATOMIC_DQ = 64
 WGMMA_ATOMIC_DQ_HEADDIMS = (64,)
 # Tensor-core backward: square blocks, because `sim` counts one B_r = B_c for both passes (the dK/dV
@@ -420,8 +422,12 @@ def make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, back
     ``deterministic``: a backward whose repeats are bitwise identical; False lets the wgmma backward (v5)
     accumulate dQ with float32 atomics in its dK/dV kernel (`WGMMA_ATOMIC_DQ`)."""
     device = current_device() if device is None else device
-    return _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned,
+    plan = _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned,
                       packed, modified, deterministic)
+    if backward and not deterministic and not isinstance(plan.tiles, WgmmaTiles):  # the wgmma plans say their own
+        plan = dataclasses.replace(plan, reason=plan.reason + f"; deterministic=False: {plan.kernel} has no atomic "
+                                   "dQ, and runs its deterministic passes")
+    return plan
 
 
 @functools.lru_cache(maxsize=1024)  # plans are immutable; a model calls attention with few distinct shapes

@@ -1,5 +1,5 @@
 """Kernel v5 backward: the wgmma backward with a producer warpgroup and bulk tensor copies (FlashAttention-3's
-warp specialization), deterministic, with no atomics.
+warp specialization): deterministic, with no atomics, or (``deterministic=False``) one pass with an atomic dQ.
 
 v3's backward (`wgmma.backward`) runs one warpgroup per block that both copies (cp.async) and computes,
 with a barrier of the whole block per tile, and the tensor cores wait while it forms P and dS. Here, as
@@ -15,10 +15,15 @@ dS on the CUDA cores the tensor cores run the other's products.
   dK += dS^T Q.
 * ``dq``: one block per (query block, head, batch element); Q and dO once, then K and V tiles through
   the ring: S = Q K^T, dP = dO V^T, dS, dQ += dS K, the rows' LSE and D in registers.
+* ``dkdv_dq`` (``deterministic=False``, in place of both): the ``dkdv`` kernel whose consumers also store
+  their dS^T in shared memory and, after a barrier between them, form dQ = dS K for the tile (wgmma,
+  both operands MN-major) and add it to a float32 dQ with atomics (`dq_accumulator`); a row-by-row pass
+  then rounds dQ (`simt.backward.build_dq_postprocess`). Five products per tile pair instead of seven.
 
 On the H100 (fp16 and bf16, N = 2048 to 16384, causal and not; scripts/bench.py) it ran 0.81-0.98x SDPA
-flash's backward at headdim 128 and 0.58-0.75x at 64, against mma.sync's 0.51-0.63x; `tiling` keeps the
-tile comparison.
+flash's backward at headdim 128 and 0.58-0.75x at 64, against mma.sync's 0.51-0.63x; with the atomic dQ
+0.67-0.79x at 64 (at 128 it is slower, and `tiling.WGMMA_ATOMIC_DQ_HEADDIMS` leaves it out); `tiling`
+keeps the tile comparison.
 """
 
 from numba import cuda, types
