@@ -406,11 +406,11 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
                          f"dtype {call.lse_dtype}; got shape {lse_op.shape}, dtype {lse_op.dtype}")
     with _device_context(call):
         arguments.flag(deterministic, "deterministic")
-        if plan is not None and deterministic and _check_plan(plan, call, "backward").dq_strategy == "atomic":
-            raise ValueError("plan accumulates dQ with atomics (made with deterministic=False); pass "
-                             "deterministic=False with it, or a deterministic plan")
         plan = (_check_plan(plan, call, "backward") if plan is not None else
                 _plan_for(call, True, dout=ops[0], deterministic=deterministic))
+        if deterministic and plan.dq_strategy == "atomic":
+            raise ValueError("plan accumulates dQ with atomics (made with deterministic=False); pass "
+                             "deterministic=False with it, or a deterministic plan")
         dq = _arrays.empty(call.q, call.q.shape, call.dtype)
         dk = _arrays.empty(call.q, call.k.shape, call.dtype)
         dv = _arrays.empty(call.q, call.v.shape, call.dtype)

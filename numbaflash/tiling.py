@@ -422,17 +422,23 @@ def make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, back
     ``deterministic``: a backward whose repeats are bitwise identical; False lets the wgmma backward (v5)
     accumulate dQ with float32 atomics in its dK/dV kernel (`WGMMA_ATOMIC_DQ`)."""
     device = current_device() if device is None else device
-    plan = _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned,
+    return _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned,
                       packed, modified, deterministic)
+
+
+@functools.lru_cache(maxsize=1024)  # plans are immutable; a model calls attention with few distinct shapes
+def _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned, packed,
+               modified, deterministic):
+    plan = _choose_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned,
+                        packed, modified, deterministic)
     if backward and not deterministic and not isinstance(plan.tiles, WgmmaTiles):  # the wgmma plans say their own
         plan = dataclasses.replace(plan, reason=plan.reason + f"; deterministic=False: {plan.kernel} has no atomic "
                                    "dQ, and runs its deterministic passes")
     return plan
 
 
-@functools.lru_cache(maxsize=1024)  # plans are immutable; a model calls attention with few distinct shapes
-def _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned, packed,
-               modified, deterministic):
+def _choose_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned, packed,
+                 modified, deterministic):
     from .kernels.mma import backward as mma_backward
     from .kernels.simt import backward as simt_backward, forward as simt_forward
 

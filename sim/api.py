@@ -156,9 +156,10 @@ def _resolve(seqlen, headdim, sram_bytes, algorithm, seqlen_k, batch, nheads, nh
         algorithm, block_sizes, dq = "flash2", (plan.block_m, plan.block_n), plan.dq_strategy
         # A backward kernel owns block_m rows and streams block_n in both passes: the dK/dV pass's blocks are
         # the transpose of the dQ pass's. With atomics the key pass is the only one.
-        key_pass = (plan.block_n, plan.block_m) if backward and plan.block_m != plan.block_n else None
         if backward and dq == "atomic":
-            block_sizes, key_pass = (plan.block_n, plan.block_m), None
+            block_sizes = (plan.block_n, plan.block_m)
+        if backward and dq == "separate" and plan.block_m != plan.block_n:
+            key_pass = (plan.block_n, plan.block_m)
         sram_bytes = plan.sram_bytes if sram_bytes is None else sram_bytes
         dtype_bytes = plan.dtype_bytes
     arguments.choice(algorithm, "algorithm", ALGORITHMS)

@@ -108,6 +108,14 @@ def _rows_statistics(ROWS, ACC):
     return load
 
 
+@device_function
+def warp_row():
+    """``(b, h, row, lane)`` of a thread of the row-per-warp kernels (the preprocess and the dQ postprocess):
+    grid (rows / PREPROCESS_ROWS, nheads, batch), one warp per query row."""
+    return (cuda.blockIdx.z, cuda.blockIdx.y, cuda.blockIdx.x * PREPROCESS_ROWS + cuda.threadIdx.x // 32,
+            cuda.threadIdx.x % 32)
+
+
 def build_preprocess(D, tiles, storage, mods=NONE):
     """D[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d], one warp per row (coalesced along d)."""
     ACC, to_acc, _ = elements.codec(storage)
@@ -117,9 +125,7 @@ def build_preprocess(D, tiles, storage, mods=NONE):
 
     def attention_backward_preprocess(out, dout, delta):
         # out, dout: (batch, seqlen_q, nheads, headdim); delta: (batch, nheads, seqlen_q)
-        h, b = cuda.blockIdx.y, cuda.blockIdx.z
-        lane = cuda.threadIdx.x % 32
-        row = cuda.blockIdx.x * PREPROCESS_ROWS + cuda.threadIdx.x // 32
+        b, h, row, lane = warp_row()
         total = ZERO
         if row < out.shape[1]:
             for d in range(lane, out.shape[3], 32):
@@ -141,9 +147,7 @@ def build_dq_postprocess(D, tiles, storage, mods=NONE):
 
     def attention_backward_dq_postprocess(dq_acc, dq, scale):
         # dq_acc: (batch, nheads, seqlen_q rounded up, D) float32; dq: (batch, seqlen_q, nheads, headdim)
-        h, b = cuda.blockIdx.y, cuda.blockIdx.z
-        lane = cuda.threadIdx.x % 32
-        row = cuda.blockIdx.x * PREPROCESS_ROWS + cuda.threadIdx.x // 32
+        b, h, row, lane = warp_row()
         if row < dq.shape[1]:
             for d in range(lane, dq.shape[3], 32):
                 dq[b, row, h, d] = from_acc(ACC(dq_acc[b, h, row, d] * scale))

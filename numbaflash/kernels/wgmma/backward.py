@@ -54,23 +54,17 @@ def smem_bytes_dq(D, tiles):
     return 2 * layout_dq(D, tiles)[-1] + ALIGN
 
 
-def dkdv_step(D, tiles, storage, mods=NONE, ds_out=False):
+def dkdv_step(D, tiles, storage, mods=NONE):
     """``(operands, step)`` of the dK/dV kernels (v3 and v5): ``operands(address, k_at, v_at, q_at, do_at, wg)``
     gives the descriptors ``(k, v, q, do, q_mn, do_mn)`` of a block's tiles (warpgroup ``wg``'s 64 keys of K
     and V; the first stage of the streamed Q and dO, K-major and MN-major); ``step(smem, descs, at, ...)`` runs
     one streamed query tile ``at`` bytes into the stages: S^T = K Q^T and dP^T = V dO^T together, P^T while
-    dP^T runs, dV += P^T dO, dS^T while that runs, dK += dS^T Q.
-
-    With ``ds_out`` (the dK/dV kernel that also accumulates dQ) the step also stores its 64 rows of dS^T,
-    rounded, into the swizzled tile of ``BLOCK_M`` keys x ``BLOCK_N`` queries at ``words[ds_word]`` (``words``:
-    the shared memory as 32-bit words; without ``ds_out`` both are unused), where wgmma reads it as the
-    MN-major A of dQ = dS K."""
+    dP^T runs, dV += P^T dO, dS^T while that runs, dK += dS^T Q. It returns with every product done, and
+    dS^T, rounded, in ``d_s``."""
     BLOCK_M, BLOCK_N = tiles.block_m, tiles.block_n
     scores, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage)
     pack = pack_p(BLOCK_N, storage)
     probabilities, ds = transposed_steps(1, BLOCK_N // 8, mods)
-    DS_OUT = ds_out
-    store_ds = ds_storer(BLOCK_N) if ds_out else None
 
     @device_function
     def operands(address, k_at, v_at, q_at, do_at, wg):
@@ -81,7 +75,7 @@ def dkdv_step(D, tiles, storage, mods=NONE, ds_out=False):
 
     @device_function
     def step(smem, descs, at, s, dp, dlogit, p, d_s, dk_acc, dv_acc, stats, st, q_start, warp_key, key_start, g, t,
-             seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh, words, ds_word):
+             seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh):
         k_desc, v_desc, q_desc, do_desc, q_mn, do_mn = descs
         wgmma_fence()
         scores(s, smem, k_desc, advance(q_desc, at))  # S^T = K Q^T
@@ -98,36 +92,12 @@ def dkdv_step(D, tiles, storage, mods=NONE, ds_out=False):
         wgmma_wait1()  # dP^T is done; dV's product may still run under dS^T below
         ds(s, dp, dlogit, stats, st + BLOCK_N, t)
         pack(d_s, dp)
-        if DS_OUT:
-            store_ds(d_s, words, ds_word, (warp_key - key_start) // 16, g, t)
-            fence_proxy_async()  # the stores reach wgmma's (async proxy) reads of the tile
         wgmma_fence()
         accumulate(dk_acc, d_s, smem, advance(q_mn, at))  # dK += dS^T Q
         wgmma_commit()
-        # With dS^T out, dK's product left in flight past the next steps' branches made ptxas serialize every
-        # wgmma (C7518).
         wgmma_wait0()
 
     return operands, step
-
-
-def ds_storer(BLOCK_N):
-    """``store(d_s, words, ds_word, warp, g, t)``: a warp's 16 keys (``warp`` counts 16-key groups from the
-    block's first key) of dS^T, as its A words, into a swizzled keys x 64 queries tile from ``words[ds_word]``:
-    key r, query c at byte (r // 8) 1024 + (r % 8) 128 + ((c // 8) ^ (r % 8)) 16 + 2 (c % 8). Each store of
-    a warp covers 8 keys' 16-byte chunks, which the swizzle puts on distinct banks."""
-    if BLOCK_N != 64:
-        raise ValueError(f"dS^T is stored as 64-query rows (one swizzle atom); got tiles of {BLOCK_N} queries")
-
-    @device_function
-    def store(d_s, words, ds_word, warp, g, t):
-        for ks in range(BLOCK_N // 16):
-            for r in range(4):
-                lo, hi = r & 1, r >> 1  # key row g + 8 lo; query columns 16 ks + 8 hi + 2 t, + 1
-                byte = (2 * warp + lo) * 1024 + g * 128 + ((2 * ks + hi) ^ g) * 16 + 4 * t
-                words[ds_word + byte // 4] = d_s[ks, r]
-
-    return store
 
 
 def dq_step(D, tiles, storage, mods=NONE):
@@ -246,7 +216,7 @@ def build_dkdv(D, tiles, storage, mods=NONE):
                 cuda.syncthreads()  # every thread's copies and statistics of this tile are visible
 
                 step(smem, descs, 2 * at, s, dp, dlogit, p, d_s, dk_acc, dv_acc, stats, st, q_start, warp_key,
-                     key_start, g, t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh, stats, 0)
+                     key_start, g, t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh)
                 if it + 1 < ntiles:
                     store_stats(stats, stats_at + ((it + 1) % 2) * 2 * BLOCK_N, next_stat, tid)
                 cuda.syncthreads()  # this stage is free for the copies issued at the top of the next iteration

@@ -32,9 +32,9 @@ from ...mods import NONE
 from ..blocks import key_block, query_block, tensor_core_backward
 from ..fragments import fill, fragment_writer
 from ..gradients import row_steps, stats_stager
-from ..intrinsics import (device_function, mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init,
-                         named_barrier_sync, red_add2, setmaxnreg_dec, setmaxnreg_inc, shared_address, tensormap_acquire,
-                         wgmma_commit, wgmma_fence, wgmma_ss, wgmma_wait0)
+from ..intrinsics import (device_function, fence_proxy_async, mbarrier_arrive, mbarrier_arrive_expect_tx,
+                         mbarrier_init, named_barrier_sync, red_add2, setmaxnreg_dec, setmaxnreg_inc, shared_address,
+                         tensormap_acquire, wgmma_commit, wgmma_fence, wgmma_ss, wgmma_wait0)
 from ..mods import modifiers
 from . import tensor_maps
 from .backward import dkdv_step, dq_step
@@ -102,6 +102,26 @@ def build_dkdv_dq(D, tiles, storage, mods=NONE):
     return _build_key_pass(D, tiles, storage, mods, accumulate_dq=True)
 
 
+def ds_storer(BLOCK_N):
+    """``store(d_s, words, ds_word, warp, g, t)``: a warp's 16 keys (``warp`` counts 16-key groups from the
+    block's first key) of dS^T, as its A words, into a swizzled keys x 64 queries tile from ``words[ds_word]``
+    (``words``: shared memory as 32-bit words), where wgmma reads it as the MN-major A of dQ = dS K: key r,
+    query c at byte (r // 8) 1024 + (r % 8) 128 + ((c // 8) ^ (r % 8)) 16 + 2 (c % 8). Each store of a warp
+    covers 8 keys' 16-byte chunks, which the swizzle puts on distinct banks."""
+    if BLOCK_N != 64:
+        raise ValueError(f"dS^T is stored as 64-query rows (one swizzle atom); got tiles of {BLOCK_N} queries")
+
+    @device_function
+    def store(d_s, words, ds_word, warp, g, t):
+        for ks in range(BLOCK_N // 16):
+            for r in range(4):
+                lo, hi = r & 1, r >> 1  # key row g + 8 lo; query columns 16 ks + 8 hi + 2 t, + 1
+                byte = (2 * warp + lo) * 1024 + g * 128 + ((2 * ks + hi) ^ g) * 16 + 4 * t
+                words[ds_word + byte // 4] = d_s[ks, r]
+
+    return store
+
+
 def dq_accumulator(D, tiles, storage):
     """``add_dq(smem, address, ds_at, k_at, dq, dq_acc, it, wg, b, h, q_start, warp, g, t)``: dQ += dS K for the
     query tile of iteration ``it``, from the dS^T tile at element ``ds_at`` (every consumer's 64 keys) and the
@@ -147,7 +167,8 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
     TILE = BLOCK_N * D  # elements of one Q or dO stage
     ACCUMULATE_DQ = accumulate_dq
     copy_tile = bulk_copier(D)
-    operands, step = dkdv_step(D, tiles, storage, mods, ds_out=accumulate_dq)
+    operands, step = dkdv_step(D, tiles, storage, mods)
+    store_ds = ds_storer(BLOCK_N) if accumulate_dq else None
     add_dq = dq_accumulator(D, tiles, storage) if accumulate_dq else None
     load_stats, store_stats, PER_THREAD = stats_stager(BLOCK_N, STATS_THREADS)
     modifier = modifiers(mods, types.float32, fast=True)
@@ -240,15 +261,17 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
                 st = (base + STATS_AT) // 2 + stage * 2 * BLOCK_N
                 wait(smem, base + FULL + stage * BARRIER_ELEMENTS, (it // STAGES) & 1)
 
-                ds_at = DS_AT + (it % DS_TILES) * BLOCK_M * BLOCK_N
                 step(smem, descs, at, s, dp, dlogit, p, d_s, dk_acc, dv_acc, stats, st, q_start, warp_key, key_start,
-                     g, t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh, words, (base + ds_at) // 2)
+                     g, t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh)
                 # The warpgroup's threads read the stage's LSE and D with ordinary loads: a barrier completes
                 # those reads before the one arrival, which releases them to the producer's next stores. racecheck
                 # does not follow that chain (12 hazards on these reads in scripts/sanitize.py); an arrival by every
                 # thread, on one mbarrier or one per warp, satisfied it (0 hazards) but ran 0.73-0.75x SDPA flash
                 # at headdim 128 against 0.93-0.98x (H100, fp16, .bench/racebwd.py).
                 if ACCUMULATE_DQ:
+                    ds_at = DS_AT + (it % DS_TILES) * BLOCK_M * BLOCK_N
+                    store_ds(d_s, words, (base + ds_at) // 2, (warp_key - key_start) // 16, g, t)
+                    fence_proxy_async()  # the stores reach wgmma's (async proxy) reads of the tile
                     # Every consumer's dS^T is in its tile; the tile written next was last read by the products
                     # of two tiles ago, which every consumer waited for before this barrier.
                     named_barrier_sync(DS_BARRIER, 128 * CONSUMERS)
