@@ -3,12 +3,13 @@
 `block_mask` wraps a ``mask_mod`` and the problem's sizes; `BlockMask.classify` evaluates the mask on
 every (b, h, q_idx, kv_idx) once (a Numba loop on the host), keeps the visible count of each 16 x 16
 tile, and from those labels each tile of a kernel's shape `EMPTY` (no visible score), `PARTIAL` or
-`FULL` (every score visible). A forward kernel given the
-`BlockMask` visits only the non-empty key tiles of its query tile, in order (`key_tiles`), and calls
-``mask_mod`` only on partial ones. The result is the dense mask_mod call's up to rounding: an empty tile
-adds exp(-inf) = 0 to the sums, but on a GPU the dense call's visit also rescales them by ex2 of the
-rounding error of ``m * scale`` (the FMA keeps it), one part in 2^24; on the simulator the two agree
-bit for bit.
+`FULL` (every score visible). A forward kernel, or a backward's dQ pass, given the `BlockMask` visits
+only the non-empty key tiles of its query tile, in order (`key_tiles`); a backward's dK/dV pass visits
+only the non-empty query tiles of its key block (`query_tiles`); both call ``mask_mod`` only on partial
+tiles. The forward's result is the dense mask_mod call's up to rounding: an empty tile adds exp(-inf) = 0
+to the sums, but on a GPU the dense call's visit also rescales them by ex2 of the rounding error of
+``m * scale`` (the FMA keeps it), one part in 2^24; on the simulator the two agree bit for bit. An empty
+tile adds exact zeros to the gradients, so a deterministic backward's are the dense call's bit for bit.
 
 The causal/window mask of the call is applied on top: a tile outside it is skipped as it always was.
 """
@@ -34,6 +35,7 @@ class BlockMask:
         self.mod_args = mod_args
         self._fine = None
         self._classes = {}
+        self._visited = {}
         self._tables = {}
 
     def __repr__(self):
@@ -72,16 +74,19 @@ class BlockMask:
     def visited(self, block_m, block_n, left, right):
         """bool ``(batch or 1, nheads or 1, query tiles, key tiles)``: the tiles a forward visits, those the
         block mask finds not empty and the causal/window mask ``(left, right)`` does not hide (what
-        `key_tiles` lists for the kernels and `sim.count_io(block_mask=...)` counts)."""
-        classes = self.classify(block_m, block_n)
-        shown = np.zeros(classes.shape[2:], bool)
-        tile_index = np.arange(classes.shape[3])
-        for qt in range(classes.shape[2]):
-            row_start = qt * block_m
-            lo, hi = masks.block_key_range(row_start, min(row_start + block_m, self.seqlen_q), self.seqlen_q,
-                                           self.seqlen_k, left, right)
-            shown[qt] = (tile_index * block_n < hi) & ((tile_index + 1) * block_n > lo)
-        return (classes != EMPTY) & shown
+        `key_tiles` and `query_tiles` list for the kernels and `sim.count_io(block_mask=...)` counts), cached."""
+        key = (block_m, block_n, left, right)
+        if key not in self._visited:
+            classes = self.classify(block_m, block_n)
+            shown = np.zeros(classes.shape[2:], bool)
+            tile_index = np.arange(classes.shape[3])
+            for qt in range(classes.shape[2]):
+                row_start = qt * block_m
+                lo, hi = masks.block_key_range(row_start, min(row_start + block_m, self.seqlen_q), self.seqlen_q,
+                                               self.seqlen_k, left, right)
+                shown[qt] = (tile_index * block_n < hi) & ((tile_index + 1) * block_n > lo)
+            self._visited[key] = (classes != EMPTY) & shown
+        return self._visited[key]
 
     def key_tiles(self, block_m, block_n, left, right, like):
         """The forward's schedule (`kernels.key_tiles`): int32 ``(batch or 1, nheads or 1, query tiles, key tiles
@@ -97,6 +102,31 @@ class BlockMask:
                 tiles = np.flatnonzero(visited[b, h, qt])
                 table[b, h, qt, 0] = len(tiles)
                 table[b, h, qt, 1:1 + len(tiles)] = 2 * tiles + (classes[b, h, qt, tiles] == FULL)
+            self._tables[key] = _arrays.from_host(like, table)
+        return self._tables[key]
+
+    def query_tiles(self, block_m, block_n, left, right, group, like):
+        """A dK/dV pass's schedule (`kernels.query_tiles`) for blocks of ``block_m`` keys streaming tiles of
+        ``block_n`` query rows, GQA groups of ``group`` query heads: int32 ``(batch or 1, kv heads or 1, key
+        blocks, group * query tiles + 2)``; entry 0 of a key block counts the (head, query tile) pairs it
+        visits (`visited`'s tiles, over the group's heads), and entries 1.. are ``2 * (j * query tiles +
+        query tile) + (1 if FULL)`` for the group's ``j``-th head, heads in order, tiles ascending. An array of
+        the kind and device of `_arrays.Operand` ``like``, cached."""
+        key = ("query", block_m, block_n, left, right, group, like.kind, like.device)
+        if key not in self._tables:
+            classes, visited = self.classify(block_n, block_m), self.visited(block_n, block_m, left, right)
+            batch, heads, per_head, key_blocks = classes.shape
+            kv_heads = heads // group if heads > 1 else 1  # a mask of any head: every group's the same
+            table = np.zeros((batch, kv_heads, key_blocks, group * per_head + 2), np.int32)
+            for b, hk, kt in np.ndindex(batch, kv_heads, key_blocks):
+                visits = []
+                for j in range(group):
+                    h = hk * group + j if heads > 1 else 0
+                    tiles = np.flatnonzero(visited[b, h, :, kt])
+                    visits.append(2 * (j * per_head + tiles) + (classes[b, h, tiles, kt] == FULL))
+                visits = np.concatenate(visits)
+                table[b, hk, kt, 0] = len(visits)
+                table[b, hk, kt, 1:1 + len(visits)] = visits
             self._tables[key] = _arrays.from_host(like, table)
         return self._tables[key]
 

@@ -121,7 +121,7 @@ def inspect(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), nam
         modifications["mask_mod"] = _check_block_mask(block, modifications["mask_mod"], call)
     modified, softcap, slopes, mod_args = check_mods(**modifications, describe=_boundary_array(call), batch=batch,
                                                      nheads=nheads, backward=backward)
-    if block is not None and not backward:  # the backwards evaluate the mask_mod on every tile they visit
+    if block is not None:
         modified = dataclasses.replace(modified, block_sparse=True)
     call.block_mask = block
     if slopes is not None and len(slopes.shape) == 1:
@@ -343,16 +343,24 @@ def run_backward(call, plan, dout, lse, out, delta, dq, dk, dv, preprocess=None)
     if isinstance(plan.tiles, tiling.WgmmaTiles) and plan.tiles.producer:
         tiling.check_copy_engine(plan.tiles, vec)
         maps = tuple((m,) for m in wgmma_ws_backward.tensor_map_args(q, k, v, dout, plan.tiles))
+    # Both passes own block_m rows (keys, then queries) and stream block_n; with a block mask each gets the
+    # list of tiles it visits, first in its mod tuple.
+    key_pass_mods = dq_pass_mods = call.mod_values
+    if call.mods.block_sparse:
+        key_pass_mods = (call.block_mask.query_tiles(plan.block_m, plan.block_n, call.left, call.right,
+                                                     call.nheads // call.nheads_kv, q),) + call.mod_values
+        dq_pass_mods = (call.block_mask.key_tiles(plan.block_m, plan.block_n, call.left, call.right, q),
+                        ) + call.mod_values
     if plan.dq_strategy == "atomic":
         rows = -(-call.seqlen_q // plan.block_n) * plan.block_n  # every streamed tile adds whole rows
         dq_acc = _arrays.describe(_arrays.zeros(q, (call.batch, call.nheads, rows, plan.headdim_padded), "float32"),
                                   "dq_acc")
         _launch(plan, 1, stream, call.mods, q, k, v, dout, lse, delta, dk, dv, dq_acc, *extra, *maps[0],
-                call.mod_values)
+                key_pass_mods)
         _launch(plan, 2, stream, NONE, dq_acc, dq, np.float32(call.softmax_scale))
         return
-    _launch(plan, 1, stream, call.mods, q, k, v, dout, lse, delta, dk, dv, *extra, *maps[0], call.mod_values)
-    _launch(plan, 2, stream, call.mods, q, k, v, dout, lse, delta, dq, *extra, *maps[1], call.mod_values)
+    _launch(plan, 1, stream, call.mods, q, k, v, dout, lse, delta, dk, dv, *extra, *maps[0], key_pass_mods)
+    _launch(plan, 2, stream, call.mods, q, k, v, dout, lse, delta, dq, *extra, *maps[1], dq_pass_mods)
 
 
 def _check_like(op, want, name, like_name):
@@ -372,9 +380,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         out, lse: `attention`'s outputs (``return_lse=True``).
         plan: a ``plan(..., backward=True)`` for this call.
         softcap, alibi_slopes, score_mod, score_mod_grad, mask_mod, mod_args, block_mask: as passed to
-            `attention`; with a ``score_mod``, ``score_mod_grad`` is required. With a block mask the backward
-            evaluates its mask_mod on every tile the causal/window mask shows (it skips no tile yet; `explain`
-            says so).
+            `attention`; with a ``score_mod``, ``score_mod_grad`` is required. With a block mask both passes
+            visit only its non-empty tiles and call its mask_mod on the partial ones, as the forward does.
         deterministic: True (the default): no atomics, repeated calls return bitwise identical gradients.
             False (flash-attn's meaning) allows a faster backward whose dQ sums in a varying order: on Hopper
             the wgmma backward (v5) then forms dQ in its dK/dV kernel and adds it with float32 atomics,
@@ -448,8 +455,7 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
         the_plan = _plan_for(call, backward, deterministic=deterministic)
     sizes = dict(seqlen_k=call.seqlen_k, batch=call.batch, nheads=call.nheads, nheads_kv=call.nheads_kv,
                  causal=causal, window_size=tuple(window_size), backward=backward, dtype_bytes=the_plan.dtype_bytes)
-    block_mask = call.block_mask if not backward else None  # the backward visits every tile the mask shows
-    flash = sim.predict_io(call.seqlen_q, call.headdim, plan=the_plan, block_mask=block_mask, **sizes)
+    flash = sim.predict_io(call.seqlen_q, call.headdim, plan=the_plan, block_mask=call.block_mask, **sizes)
     standard = sim.predict_io(call.seqlen_q, call.headdim, algorithm="standard", sram_bytes=the_plan.sram_bytes, **sizes)
     mask = "causal" if causal else (f"window {tuple(window_size)}" if tuple(window_size) != (-1, -1) else "no mask")
     heads = f"{call.nheads}" + (f" (GQA, {call.nheads_kv} kv heads)" if call.nheads_kv != call.nheads else "")
@@ -484,13 +490,16 @@ def _modifications_line(modified):
 def _block_mask_lines(call, the_plan, backward):
     if call.block_mask is None:
         return []
-    if backward:
-        return ["block mask  not used by the backward yet: it evaluates mask_mod on every tile the causal/window "
-                "mask shows (the traffic below is the dense schedule's)"]
-    density = call.block_mask.density(the_plan.block_m, the_plan.block_n)
-    return [f"block mask  {density:.1%} of the {the_plan.block_m} x {the_plan.block_n} tiles are not empty: the "
-            "forward visits only those, and calls mask_mod on the partial ones (the HBM traffic below counts only those; "
-            "sim.hardware's model on the GPU line is the dense schedule's)"]
+    bm, bn = the_plan.block_m, the_plan.block_n
+    if not backward:
+        tiles = f"{call.block_mask.density(bm, bn):.1%} of the {bm} x {bn} tiles are not empty: the forward visits"
+    else:  # both passes own block_m rows (keys, then queries) and stream block_n
+        tiles = f"{call.block_mask.density(bn, bm):.1%} of the {bn}-query x {bm}-key tiles of the dK/dV pass"
+        if the_plan.dq_strategy != "atomic":
+            tiles += f" and {call.block_mask.density(bm, bn):.1%} of the {bm} x {bn} tiles of the dQ pass"
+        tiles += " are not empty: the backward visits"
+    return [f"block mask  {tiles} only those, and calls mask_mod on the partial ones (the HBM traffic below counts "
+            "only those; sim.hardware's model on the GPU line is the dense schedule's)"]
 
 
 EXPLAIN_TILE_VISITS = 500_000  # about 5 s of `sim.hardware.predict`: explain skips (and says so) past this

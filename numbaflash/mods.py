@@ -48,7 +48,7 @@ class Mods:
     score_mod_grad: object = None
     mask_mod: object = None
     arg_types: tuple = ()
-    block_sparse: bool = False  # a forward with a `block_sparsity.BlockMask`: it visits only the mask's non-empty tiles
+    block_sparse: bool = False  # a call with a `block_sparsity.BlockMask`: the kernels visit only its non-empty tiles
     packed: bool = False  # a varlen call: sequences packed along one axis, located by cu_seqlens (`kernels.sequences`)
 
     @property

@@ -197,20 +197,20 @@ def _resolve(seqlen, headdim, sram_bytes, algorithm, seqlen_k, batch, nheads, nh
             raise SramOverflow(f"{algorithm}: blocks {blocks.rows} x {blocks.cols} need {need} elements of SRAM at "
                                f"headdim {headdim}; M = {M}")
     if block_mask is not None:
-        p = dataclasses.replace(p, visited=_block_mask_tiles(block_mask, algorithm, backward, p, blocks))
+        _check_block_mask(block_mask, algorithm, p)
+        p = dataclasses.replace(p, block_mask=block_mask)
     return algorithm, p, M, blocks, dq, dtype_bytes
 
 
-def _block_mask_tiles(block_mask, algorithm, backward, p, blocks):
-    """The tiles a FlashAttention-2 forward with ``block_mask`` visits (`numbaflash.BlockMask.visited`)."""
+def _check_block_mask(block_mask, algorithm, p):
+    """A block mask for FlashAttention-2 (whose schedules, as the kernels, skip the tiles it empties)."""
     if not isinstance(block_mask, BlockMask):
         raise TypeError(f"block_mask must be None or what numbaflash.block_mask(...) returns; got "
                         f"{type(block_mask).__name__}")
-    if algorithm != "flash2" or backward:
-        raise ValueError(f"block_mask: only the FlashAttention-2 forward skips the tiles a block mask empties (the "
-                         f"kernels' backward does not yet); got algorithm {algorithm!r}, backward={backward}")
+    if algorithm != "flash2":
+        raise ValueError(f"block_mask: only FlashAttention-2's schedules skip the tiles a block mask empties; got "
+                         f"algorithm {algorithm!r}")
     block_mask.check_sizes(p.batch, p.nheads, p.seqlen_q, p.seqlen_k)
-    return block_mask.visited(blocks.rows, blocks.cols, p.left, p.right)
 
 
 def predict_io(seqlen, headdim, *, sram_bytes=None, algorithm="flash2", seqlen_k=None, batch=1, nheads=1,
@@ -248,8 +248,8 @@ def count_io(seqlen, headdim, *, sram_bytes=None, algorithm="flash2", seqlen_k=N
             (``deterministic=False``: the paper's schedule with dQ summed in a float32 dQ_acc, then rounded
             into dQ in a pass of its own).
         plan: a `numbaflash.Plan`: count the schedule a kernel ran (its blocks, SRAM and dQ strategy).
-        block_mask: a `numbaflash.block_mask(...)` (FlashAttention-2 forward): count only the tiles it
-            leaves non-empty, as the kernels visit them. Every (batch element, head) is then simulated, and
+        block_mask: a `numbaflash.block_mask(...)` (FlashAttention-2, forward or backward): count only the
+            tiles it leaves non-empty, as the kernels visit them. Every (batch element, head) is then simulated, and
             values are checked where the mask is shared by all of them (its batch and nheads None).
         compute: carry values and check the result against the float64 reference (``rtol``) where one
             group's scores fit `CHECK_ELEMENTS`; with False, only count. ``Report.checked`` says which ran.
@@ -264,7 +264,7 @@ def count_io(seqlen, headdim, *, sram_bytes=None, algorithm="flash2", seqlen_k=N
     arguments.flag(compute, "compute")
     ctx_args = dict(causal=causal, softmax_scale=1.0 / np.sqrt(headdim), window_size=window_size)
     unchecked = ""
-    if p.visited is None:
+    if p.block_mask is None:
         # One (batch element, kv head) group; the others repeat its schedule on their own tensors.
         group = Problem(p.seqlen_q, p.seqlen_k, headdim, 1, p.group, 1, p.left, p.right)
     else:  # a block mask may differ per batch element and head: every one runs

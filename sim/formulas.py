@@ -13,8 +13,9 @@ block's visible key range [lo, hi) (`numbaflash.masks.block_key_range`) by arith
 
 Without a mask: pairs = N_q T_c, keys = N_k T_r, seen = N_q, union = N_k.
 
-With a block mask (``Problem.visited``, the FlashAttention-2 forward only) ``seen`` and ``keys`` are sums over
-every batch element and head of the tiles the table marks visited (`block_mask_sums`).
+With a block mask (``Problem.block_mask``, FlashAttention-2) the sums run over every batch element and head,
+from the tiles its table marks visited (`block_mask_sums`): ``seen`` and ``keys`` on the forward's (and the
+dQ pass's) blocks, ``pairs`` and ``union`` on the key pass's.
 """
 
 from collections import defaultdict
@@ -51,13 +52,23 @@ def mask_sums(p, blocks):
 
 
 def block_mask_sums(p, blocks):
-    """``(seen, keys)`` over all batch elements and heads: the query rows of blocks that visit a tile, and the
-    key rows of every visited tile, from the block mask's table by array sums."""
+    """`MaskSums` over all batch elements and heads (``union`` over kv heads: a key block a group's heads
+    all skip loads nothing), from the block mask's table of ``blocks`` by array sums."""
     br, bc = blocks.rows, blocks.cols
-    visited = np.broadcast_to(p.visited, (p.batch, p.nheads) + p.visited.shape[2:])
+    visited = p.visited(br, bc)  # (batch, nheads, query blocks, key blocks)
     rows = np.minimum(np.arange(1, visited.shape[2] + 1) * br, p.seqlen_q) - np.arange(visited.shape[2]) * br
     keys = np.minimum(np.arange(1, visited.shape[3] + 1) * bc, p.seqlen_k) - np.arange(visited.shape[3]) * bc
-    return int((visited.any(axis=3) * rows).sum()), int((visited * keys).sum())
+    by_group = visited.reshape(p.batch, p.nheads_kv, p.group * visited.shape[2], visited.shape[3]).any(axis=2)
+    return MaskSums(pairs=int((visited * rows[:, None]).sum()), keys=int((visited * keys).sum()),
+                    seen=int((visited.any(axis=3) * rows).sum()), union=int((by_group * keys).sum()))
+
+
+def totals(p, blocks):
+    """`mask_sums` summed over every batch element and head (kv head for ``union``)."""
+    if p.block_mask is not None:
+        return block_mask_sums(p, blocks)
+    m, bh, bhk = mask_sums(p, blocks), p.batch * p.nheads, p.batch * p.nheads_kv
+    return MaskSums(bh * m.pairs, bh * m.keys, bh * m.seen, bhk * m.union)
 
 
 FORMULAS = {
@@ -85,40 +96,39 @@ def predicted(algorithm, backward, p, blocks, dq="accumulate"):
             r.update(P=2 * nn, dP=nn, dS=2 * nn, dO=2 * bh * nq * d, Q=bh * nq * d, K=bhk * nk * d, V=bhk * nk * d)
             w.update(dP=nn, dS=nn, dQ=bh * nq * d, dK=bhk * nk * d, dV=bhk * nk * d)
         return _combine(r, w)
-    m = mask_sums(p, blocks)
-    if algorithm == "flash1" and not backward:
-        r.update(K=bh * m.union * d, V=bh * m.union * d, Q=bh * m.pairs * d, O=bh * m.pairs * d,
-                 l=bh * m.pairs, m=bh * m.pairs)
-        w.update(O=bh * (nq + m.pairs) * d, l=bh * (nq + m.pairs), m=bh * (nq + m.pairs))
-    elif algorithm == "flash1":
-        r.update(K=bhk * m.union * d, V=bhk * m.union * d, Q=bh * m.pairs * d, O=bh * m.pairs * d,
-                 dO=bh * m.pairs * d, dQ=bh * m.pairs * d, l=bh * m.pairs, m=bh * m.pairs)
-        w.update(dQ=bh * (nq + m.pairs) * d, dK=bhk * (nk + m.union) * d, dV=bhk * (nk + m.union) * d)
-    elif not backward and p.visited is not None:
-        seen, keys = block_mask_sums(p, blocks)
-        r.update(Q=seen * d, K=keys * d, V=keys * d)
+    if algorithm == "flash1":
+        m = mask_sums(p, blocks)
+        if not backward:
+            r.update(K=bh * m.union * d, V=bh * m.union * d, Q=bh * m.pairs * d, O=bh * m.pairs * d,
+                     l=bh * m.pairs, m=bh * m.pairs)
+            w.update(O=bh * (nq + m.pairs) * d, l=bh * (nq + m.pairs), m=bh * (nq + m.pairs))
+        else:
+            r.update(K=bhk * m.union * d, V=bhk * m.union * d, Q=bh * m.pairs * d, O=bh * m.pairs * d,
+                     dO=bh * m.pairs * d, dQ=bh * m.pairs * d, l=bh * m.pairs, m=bh * m.pairs)
+            w.update(dQ=bh * (nq + m.pairs) * d, dK=bhk * (nk + m.union) * d, dV=bhk * (nk + m.union) * d)
+        return _combine(r, w)
+    m = totals(p, blocks)  # the forward's and the dQ pass's blocks
+    if not backward:
+        r.update(Q=m.seen * d, K=m.keys * d, V=m.keys * d)
         w.update(O=bh * nq * d, LSE=bh * nq)
-    elif not backward:
-        r.update(Q=bh * m.seen * d, K=bh * m.keys * d, V=bh * m.keys * d)
-        w.update(O=bh * nq * d, LSE=bh * nq)
-    else:
-        # The key pass's sums: a two-pass schedule's dK/dV pass may run its own blocks; the dQ pass runs `blocks`.
-        k = mask_sums(p, blocks.dkdv) if dq == "separate" and blocks.dkdv else m
-        r.update(O=bh * nq * d, dO=bh * (nq + k.pairs) * d, D=bh * k.pairs, LSE=bh * k.pairs,
-                 Q=bh * k.pairs * d, K=bhk * k.union * d, V=bhk * k.union * d)
-        w.update(D=bh * nq, dK=bhk * nk * d, dV=bhk * nk * d)
-        if dq == "accumulate":
-            r["dQ"] = bh * k.pairs * d
-            w["dQ"] = bh * (nq + k.pairs) * d
-        elif dq == "atomic":  # zeros, a read-modify-write per visible step, then one pass rounding into dQ
-            r["dQ_acc"] = bh * (k.pairs + nq) * d
-            w["dQ_acc"] = bh * (nq + k.pairs) * d
-            w["dQ"] = bh * nq * d
-        else:  # the dQ pass: Q_i, dO_i, LSE_i, D_i once per query block that sees a key, K and V streamed
-            for name, n in (("Q", m.seen * d), ("dO", m.seen * d), ("LSE", m.seen), ("D", m.seen),
-                            ("K", m.keys * d), ("V", m.keys * d)):
-                r[name] += bh * n
-            w["dQ"] = bh * nq * d
+        return _combine(r, w)
+    # The key pass's sums: a two-pass schedule's dK/dV pass may run its own blocks; the dQ pass runs `blocks`.
+    k = totals(p, blocks.key_pass) if dq == "separate" else m
+    r.update(O=bh * nq * d, dO=(bh * nq + k.pairs) * d, D=k.pairs, LSE=k.pairs, Q=k.pairs * d, K=k.union * d,
+             V=k.union * d)
+    w.update(D=bh * nq, dK=bhk * nk * d, dV=bhk * nk * d)
+    if dq == "accumulate":
+        r["dQ"] = k.pairs * d
+        w["dQ"] = (bh * nq + k.pairs) * d
+    elif dq == "atomic":  # zeros, a read-modify-write per visible step, then one pass rounding into dQ
+        r["dQ_acc"] = (k.pairs + bh * nq) * d
+        w["dQ_acc"] = (bh * nq + k.pairs) * d
+        w["dQ"] = bh * nq * d
+    else:  # the dQ pass: Q_i, dO_i, LSE_i, D_i once per query block that sees a key, K and V streamed
+        for name, n in (("Q", m.seen * d), ("dO", m.seen * d), ("LSE", m.seen), ("D", m.seen),
+                        ("K", m.keys * d), ("V", m.keys * d)):
+            r[name] += n
+        w["dQ"] = bh * nq * d
     return _combine(r, w)
 
 

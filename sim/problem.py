@@ -13,9 +13,9 @@ def cdiv(a, b):
 
 @dataclass(frozen=True)
 class Problem:
-    """Sizes of one attention call; ``left``/``right`` is the normalized window (-1 unbounded). ``visited``: a
-    block mask's tiles (`numbaflash.BlockMask.visited` for the schedule's blocks, ``(batch or 1, nheads or 1,
-    query blocks, key blocks)``); None visits every tile the causal/window mask shows."""
+    """Sizes of one attention call; ``left``/``right`` is the normalized window (-1 unbounded). ``block_mask``: a
+    `numbaflash.BlockMask` whose empty tiles the schedule skips (`visited`); None visits every tile the
+    causal/window mask shows."""
 
     seqlen_q: int
     seqlen_k: int
@@ -25,7 +25,7 @@ class Problem:
     nheads_kv: int = 1
     left: int = -1
     right: int = -1
-    visited: np.ndarray = field(default=None, compare=False, repr=False)
+    block_mask: object = field(default=None, compare=False, repr=False)
 
     @property
     def group(self):
@@ -47,16 +47,25 @@ class Problem:
         lo, hi = self.key_range(r0, r1)
         return max(lo, c0) < min(hi, c1)
 
-    def visible_cols(self, r0, r1, block_cols, block=(0, 0, 0)):
-        """The key blocks query block ``[r0, r1)`` must visit; the rest the mask hides entirely, and with
-        ``visited`` the block mask: ``block`` is the query block's ``(batch element, head, index)``."""
+    def visited(self, block_rows, block_cols):
+        """bool ``(batch, nheads, query blocks, key blocks)``: the tiles of these blocks the block mask leaves
+        non-empty and the causal/window mask shows (`numbaflash.BlockMask.visited`, broadcast)."""
+        table = self.block_mask.visited(block_rows, block_cols, self.left, self.right)
+        return np.broadcast_to(table, (self.batch, self.nheads) + table.shape[2:])
+
+    def visible_cols(self, r0, r1, block_rows, block_cols, b=0, h=0):
+        """The key blocks query block ``[r0, r1)`` (of batch element ``b``, head ``h``) must visit; the rest the
+        mask hides entirely, or the block mask empties."""
         cols = [(j, c0, c1) for j, c0, c1 in self.col_blocks(block_cols) if self.visible(r0, r1, c0, c1)]
-        if self.visited is None:
+        if self.block_mask is None:
             return cols
-        b, h, i = block
-        tiles = self.visited[b if self.visited.shape[0] > 1 else 0, h if self.visited.shape[1] > 1 else 0, i]
+        tiles = self.visited(block_rows, block_cols)[b, h, r0 // block_rows]
         return [(j, c0, c1) for j, c0, c1 in cols if tiles[j]]
 
-    def visible_rows(self, c0, c1, block_rows):
-        """The query blocks that see at least one key of [c0, c1)."""
-        return [(i, r0, r1) for i, r0, r1 in self.row_blocks(block_rows) if self.visible(r0, r1, c0, c1)]
+    def visible_rows(self, c0, c1, block_rows, block_cols, b=0, h=0):
+        """The query blocks (of batch element ``b``, head ``h``) that see at least one key of [c0, c1)."""
+        rows = [(i, r0, r1) for i, r0, r1 in self.row_blocks(block_rows) if self.visible(r0, r1, c0, c1)]
+        if self.block_mask is None:
+            return rows
+        tiles = self.visited(block_rows, block_cols)[b, h, :, c0 // block_cols]
+        return [(i, r0, r1) for i, r0, r1 in rows if tiles[i]]

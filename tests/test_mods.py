@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import numbaflash
-from numbaflash import tiling
-from cases import Case, check_backward, check_forward, inputs
+from numbaflash import block_sparsity, reference, tiling
+from cases import Case, check_backward, check_forward, check_gradients, inputs
 from test_scale_and_nan import FAMILIES, forward_of
 
 # Small enough for the simulator (a CUDA thread is a Python thread): two batch elements and two heads, so
@@ -240,15 +240,58 @@ def test_a_block_mask_gives_the_dense_mask_mod_result(arrays, mode):
             ulp = float(np.finfo(np.float32).eps if dtype == "float32" else 2 ** -10)
             np.testing.assert_allclose(sparse.astype(np.float32), dense.astype(np.float32), rtol=2 * ulp, atol=ulp,
                                        err_msg=family)
-    case = Case(1, seqlen, seqlen, 1, 1, 16, "float16", seed=8, modifications=dict(block_mask=bm, mod_args=(doc,)))
-    check_backward(case, numbaflash.attention, numbaflash.attention_backward, *arrays)
+
+
+def same_document_per_head(b, h, q_idx, kv_idx, doc):
+    return doc[h, q_idx] == doc[h, kv_idx]
+
+
+# The backward of each family on the simulator's tiles (keys per dK/dV block x rows streamed), and
+# deterministic=False's atomic dQ on v5's smallest tiles that stream 64 rows.
+BACKWARD_FAMILIES = {
+    "simt": ("float32", None, True),
+    "mma": ("float16", tiling.SIMULATOR_MMA_BACKWARD_TILES, True),
+    "wgmma v3": ("float16", tiling.WGMMA_CP_ASYNC_BACKWARD_TILES[64], True),
+    "wgmma v5": ("float16", tiling.SIMULATOR_WGMMA_BACKWARD_TILES, True),
+    "wgmma v5 atomic dQ": ("bfloat16", tiling.WgmmaTiles(64, 64, 1, producer=True, tma=True), False),
+}
+
+
+@pytest.mark.parametrize("family", BACKWARD_FAMILIES)
+def test_a_block_masked_backward_skips_empty_tiles_in_both_passes(family, arrays, mode, poisoned):
+    """Documents without causality, other ones per head, GQA: both passes of the backward visit only the block
+    mask's non-empty tiles, in each head's own order, and skip mask_mod on full ones (64-key blocks inside one
+    document), held to the reference rule. On a GPU also: empty tiles add exact zeros, so the gradients equal
+    the dense mask_mod call's bit for bit (the atomic dQ, which sums in a varying order, to an ulp)."""
+    to_device, to_host = arrays
+    dtype, tiles, deterministic = BACKWARD_FAMILIES[family]
+    seqlen = 80 if mode == "simulator" else 2048
+    doc = np.stack([np.repeat(np.arange(2), [64, seqlen - 64]),
+                    np.repeat(np.arange(3), [16, 48, seqlen - 64])]).astype(np.int32)  # (nheads, seqlen)
+    bm = numbaflash.block_mask(same_document_per_head, None, 2, seqlen, seqlen, mod_args=(doc,))
+    case = Case(1, seqlen, seqlen, 2, 1, 16, dtype, seed=9,
+                modifications=dict(mask_mod=same_document_per_head, mod_args=(doc,)))
+    plan = tiling.make_plan(1, 2, 1, seqlen, seqlen, 16, dtype, backward=True, tiles=tiles, deterministic=deterministic)
+    assert {block_sparsity.EMPTY, block_sparsity.FULL} <= set(np.unique(bm.classify(plan.block_n, plan.block_m)))
+    q, k, v, dout = inputs(case, extra=[(1, seqlen, 2, 16)])
+    out, lse = reference.attention_forward(q, k, v, mask_mod=same_document_per_head, mod_args=(doc,))
+    lse = lse.astype(np.float32)
+    args = [to_device(x) for x in (dout, q, k, v, out.astype(q.dtype), lse)]
+    options = [dict(block_mask=bm)] + ([dict(mask_mod=same_document_per_head)] if mode == "gpu" else [])
+    sparse, *dense = ([to_host(g) for g in numbaflash.attention_backward(
+        *args, plan=plan, deterministic=deterministic, mod_args=(to_device(doc),), **kwargs)] for kwargs in options)
+    check_gradients(case, sparse, dout, q, k, v, lse)
+    for grads in dense:
+        for name, s, d in zip(("dq", "dk", "dv"), sparse, grads):
+            if deterministic or name != "dq":
+                assert np.array_equal(d.view(np.uint8), s.view(np.uint8)), (family, name)
+            else:
+                np.testing.assert_allclose(s.astype(np.float32), d.astype(np.float32), rtol=2 ** -7, atol=2 ** -12)
 
 
 def test_block_classes_summed_from_the_fine_tiles_match_the_mask_evaluated_for_each_shape():
     """`BlockMask.classify` evaluates the mask once and sums 16 x 16 tiles; a shape it cannot sum (24 rows)
     evaluates the mask again: both agree with counting the visible scores of each tile directly."""
-    from numbaflash import block_sparsity, reference
-
     doc = np.repeat(np.arange(3), [20, 33, 47]).astype(np.int32)[None]
     bm = numbaflash.block_mask(same_document_causal, None, None, 100, 100, mod_args=(doc,))
     visible = reference.visible_mask(100, 100) & (doc[0][:, None] == doc[0][None, :]) & np.tri(100, dtype=bool)
@@ -297,5 +340,5 @@ def test_explain_names_the_modifications_and_what_the_block_mask_skips():
                      for options in (dict(block_mask=causal64), dict(mask_mod=causal.mask_mod)))
     assert sparse < dense, (sparse, dense)
     backward = numbaflash.explain(Q, Q, Q, block_mask=causal, backward=True)
-    assert "not used by the backward yet" in backward
+    assert "tiles of the dK/dV pass and" in backward and "the backward visits only those" in backward
     assert "modified    none" in numbaflash.explain(Q, Q, Q)

@@ -10,6 +10,7 @@ import numbaflash
 import sim
 from sim.blocks import derive, min_sram
 from sim.problem import cdiv
+from test_forward import HOPPER
 
 DQ = {("flash2", True): ["accumulate", "separate"]}
 # Simulated schedules are cheap: twelve times the examples of the active profile (kernel tests' budget).
@@ -102,22 +103,38 @@ def same_document_causal(b, h, q_idx, kv_idx, docs):
     return docs[b, q_idx] == docs[b, kv_idx] and kv_idx <= q_idx
 
 
+def schedule_options(schedule, n):
+    """count_io's arguments for ``schedule``, and the blocks of each pass as ``(query rows, keys)``: the forward
+    and the paper's backward on given blocks; the H100 backward plans, whose passes own 128 keys (then rows)
+    and stream 64, two passes or one with the atomic dQ."""
+    if schedule in ("forward", "accumulate"):
+        return dict(sram_bytes=2**16, block_sizes=(32, 32), backward=schedule != "forward"), [(32, 32)]
+    plan = numbaflash.tiling.make_plan(2, 4, 2, n, n, 64, "float16", backward=True, device=HOPPER,
+                                       deterministic=schedule == "separate")
+    assert plan.dq_strategy == schedule and (plan.block_m, plan.block_n) == (128, 64)
+    return dict(plan=plan, backward=True), [(64, 128)] + ([(128, 64)] if schedule == "separate" else [])
+
+
+@pytest.mark.parametrize("schedule", ["forward", "accumulate", "separate", "atomic"])
 @pytest.mark.parametrize("shared", [True, False])
-def test_a_block_mask_counts_only_the_tiles_it_leaves_non_empty(shared):
-    """Documents, causal inside each: the schedule visits exactly the tiles of the block mask's table (the
-    closed form sums that table independently of the schedule's loops), moves less than dense causal, and
-    computes the reference's values where one mask serves every batch element (``shared``)."""
-    n, blocks = 192, (32, 32)
-    docs = np.stack([np.arange(n) // 48, np.arange(n) // (48 if shared else 70)]).astype(np.int32)
+def test_a_block_mask_counts_only_the_tiles_it_leaves_non_empty(shared, schedule):
+    """Documents, causal inside each: every pass of the schedule visits exactly the tiles of the block mask's
+    table for its blocks (the closed form sums that table independently of the schedule's loops), moves less
+    than dense causal, and computes the reference's values where one mask serves every batch element
+    (``shared``)."""
+    n = 192
+    docs = np.stack([np.arange(n) // 32, np.arange(n) // (32 if shared else 70)]).astype(np.int32)
     mask = numbaflash.block_mask(same_document_causal, None if shared else 2, None, n, n, mod_args=(docs,))
-    sizes = dict(sram_bytes=2**15, block_sizes=blocks, batch=2, nheads=4, nheads_kv=2)
-    sparse = sim.count_io(n, 16, block_mask=mask, **sizes)
-    dense = sim.count_io(n, 16, causal=True, **sizes)
+    options, passes = schedule_options(schedule, n)
+    sizes = dict(batch=2, nheads=4, nheads_kv=2, **options)
+    sparse = sim.count_io(n, 64, block_mask=mask, **sizes)
+    dense = sim.count_io(n, 64, causal=True, **sizes)
     assert sparse.matches_prediction and dense.matches_prediction
-    assert sparse.predicted["total"] == sim.predict_io(n, 16, block_mask=mask, **sizes)["total"]
+    assert sparse.predicted["total"] == sim.predict_io(n, 64, block_mask=mask, **sizes)["total"]
     assert sparse.total < dense.total
-    visited = mask.visited(*blocks, -1, -1)
-    assert sum(1 for step in sparse.tiles if "j" in step) == int(np.broadcast_to(visited, (2, 4) + visited.shape[2:]).sum())
+    tiles = sum(int(np.broadcast_to(visited, (2, 4) + visited.shape[2:]).sum())
+                for visited in (mask.visited(*blocks, -1, -1) for blocks in passes))
+    assert sum(1 for step in sparse.tiles if "i" in step and "j" in step) == tiles
     if shared:
         assert sparse.max_rel_error <= 1e-10 and "values against the float64 reference" in sparse.checked
     else:
@@ -216,10 +233,8 @@ def test_standard_uncharged_rereads_are_reported():
     (dict(dq="both"), ValueError, "dq must be one of"),
     (dict(plan="fast"), TypeError, "plan must be None or a numbaflash.plan"),
     (dict(block_mask="causal"), TypeError, "block_mask must be None or what numbaflash.block_mask"),
-    (dict(block_mask=numbaflash.block_mask(lambda b, h, i, j: j <= i, None, None, 64, 64), backward=True), ValueError,
-     "only the FlashAttention-2 forward skips"),
     (dict(block_mask=numbaflash.block_mask(lambda b, h, i, j: j <= i, None, None, 64, 64), algorithm="flash1"),
-     ValueError, "only the FlashAttention-2 forward skips"),
+     ValueError, "only FlashAttention-2's schedules skip"),
     (dict(block_mask=numbaflash.block_mask(lambda b, h, i, j: j <= i, 3, None, 64, 64)), ValueError,
      "block_mask was made for"),
 ])

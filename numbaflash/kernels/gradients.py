@@ -7,13 +7,15 @@ plain ones (rows are query rows, columns keys). The steps, after the score produ
 
 * `transposed_steps` -> ``probabilities(s, dlogit, stats, lse_at, q_start, c0, warp_key, key_start, key_end,
   ...)``: S^T of query rows ``q_start + c0 ..`` (columns ``c0 ..`` of a tile of rows from ``q_start``) becomes
-  P^T = exp2(logit(S^T) - LSE) in place, 0 where the mask hides the score, and with score modifications
+  P^T = exp2(logit(S^T) - LSE) in place, 0 where the mask hides the score (``block_full``: a block mask found
+  the mask_mod true on the whole tile, so it is not asked), and with score modifications
   ``dlogit`` the modification's derivative; the LSE of tile column ``c`` is ``stats[lse_at + c]``.
   ``ds(s, dp, dlogit, stats, delta_at, t)``: dP^T becomes dS^T = P^T (dP^T - D) (times ``dlogit``), D of
   column ``c`` at ``stats[delta_at + c]``.
 * `row_steps` -> ``(rows, ds)``: ``rows(lse2, dsum, lo_r, hi_r, lse, delta, ...)`` loads a warp's rows'
-  base-2 LSE, D and visible key range into registers once; ``ds(s, dp, lse2, dsum, lo_r, hi_r, full, ...)``
-  turns S and dP of a row tile into dS in ``dp``.
+  base-2 LSE, D and visible key range into registers once; ``ds(s, dp, lse2, dsum, lo_r, hi_r, full, ...,
+  block_full)`` turns S and dP of a row tile into dS in ``dp`` (``full``: the causal/window mask shows the
+  whole tile; ``block_full``: so does the mask_mod).
 * `stats_stager` -> ``(load, store, per_thread)``: a query tile's LSE and D, loaded to registers early
   (their latency hides behind the tile's products) and stored to shared memory after.
 
@@ -49,7 +51,7 @@ def transposed_steps(M, NT, mods=NONE):
 
     @device_function
     def probabilities(s, dlogit, stats, lse_at, q_start, c0, warp_key, key_start, key_end, g, t, seqlen_q, seqlen_k,
-                      left, right, scale_log2, b, h, bh):
+                      left, right, scale_log2, b, h, bh, block_full):
         full = masks.tile_is_full(q_start + c0, min(q_start + c0 + 8 * NT, seqlen_q), key_start, key_end, seqlen_q,
                                   seqlen_k, left, right)
         # ALiBi's distance of the lane's first query and its row-g key of the warp's first m-tile
@@ -65,7 +67,8 @@ def transposed_steps(M, NT, mods=NONE):
                     mi, half = r // 2, r % 2
                     key = warp_key + lane_row(r, g)
                     p, grad = ZERO, ZERO
-                    if key >= lo_q and key < hi_q and (not GUARDED or (row < seqlen_q and visible(b, h, row, key, bh))):
+                    if key >= lo_q and key < hi_q and (not GUARDED or (row < seqlen_q and (
+                            block_full or visible(b, h, row, key, bh)))):
                         x, grad = logit2(s[mi * NT + j, 2 * half + e] * scale_log2, b, h, row, key,
                                          abs(distance + types.float32(8 * j + e - lane_row(r, 0))), bh)
                         p = ex2(x - stats[lse_at + col])
@@ -105,7 +108,8 @@ def row_steps(M, NT, mods=NONE):
             lo_r[r], hi_r[r] = masks.key_range(row, seqlen_q, seqlen_k, left, right)
 
     @device_function
-    def ds(s, dp, lse2, dsum, lo_r, hi_r, full, warp_row, n_start, g, t, seqlen_q, seqlen_k, scale_log2, b, h, bh):
+    def ds(s, dp, lse2, dsum, lo_r, hi_r, full, warp_row, n_start, g, t, seqlen_q, seqlen_k, scale_log2, b, h, bh,
+           block_full):
         for r in range(M_ROWS):
             mi, half = r // 2, r % 2
             row = warp_row + lane_row(r, g)
@@ -116,7 +120,7 @@ def row_steps(M, NT, mods=NONE):
                     x = mi * NT + j
                     d = ZERO
                     if (full or (key >= lo_r[r] and key < hi_r[r])) and (not GUARDED or (
-                            row < seqlen_q and visible(b, h, row, key, bh))):
+                            row < seqlen_q and (block_full or visible(b, h, row, key, bh)))):
                         x2, grad = logit2(s[x, 2 * half + e] * scale_log2, b, h, row, key,
                                           abs(distance - types.float32(8 * j + e)), bh)
                         d = ex2(x2 - lse2[r]) * (dp[x, 2 * half + e] - dsum[r]) * grad

@@ -1,7 +1,7 @@
 """The score and mask modifications of `numbaflash.mods`, compiled into every kernel family.
 
 Every kernel takes one more argument, ``mod``: a tuple of what the modifications read at run time, in
-this order and only those in use: a forward's block-mask table (`key_tiles`), a varlen call's
+this order and only those in use: a block-mask table (`key_tiles`, or a dK/dV pass's `query_tiles`), a varlen call's
 cu_seqlens_q and cu_seqlens_k (`sequences`), the softcap (the accumulator type), the ALiBi slopes
 (float32 ``(1 or batch, nheads)``), then the user's ``mod_args``. A kernel built without any takes an
 empty tuple, and every function here compiles to nothing.
@@ -51,7 +51,7 @@ def kernel_type(mods, ACC):
 
 def values(mods, softcap, slopes, mod_args, ACC, cu_seqlens=()):
     """The ``mod`` tuple a launch passes: `kernel_type`'s members (arrays as `_arrays.Operand`s), less the
-    block-mask table, which a forward launch puts first (it depends on the plan's tiles). ``cu_seqlens``:
+    block-mask table, which each launch puts first (it depends on the plan's tiles and the pass). ``cu_seqlens``:
     a varlen call's ``(cu_seqlens_q, cu_seqlens_k)``."""
     return (tuple(cu_seqlens) + ((ACC(softcap),) if mods.softcap else ()) + ((slopes,) if mods.alibi else ())
             + tuple(mod_args))

@@ -24,7 +24,7 @@ def forward(h, p, blocks, ctx):
         for hq in range(p.nheads):
             hk = hq // p.group
             for j, c0, c1 in p.col_blocks(blocks.cols):
-                query_blocks = p.visible_rows(c0, c1, blocks.rows)
+                query_blocks = p.visible_rows(c0, c1, blocks.rows, blocks.cols)
                 if not query_blocks:
                     continue
                 with h.step("forward", b=b, h=hq, j=j):
@@ -71,7 +71,7 @@ def backward(h, p, blocks, ctx):
     for b in range(p.batch):
         for hk in range(p.nheads_kv):
             for j, c0, c1 in p.col_blocks(blocks.cols):
-                query_blocks = p.visible_rows(c0, c1, blocks.rows)
+                query_blocks = p.visible_rows(c0, c1, blocks.rows, blocks.cols)
                 if not query_blocks:
                     continue  # dK_j = dV_j = 0 from the initialization
                 with h.step("backward", b=b, h_kv=hk, j=j):

@@ -28,7 +28,7 @@ def forward(h, p, blocks, ctx):
             hk = hq // p.group
             for i, r0, r1 in p.row_blocks(blocks.rows):
                 with h.step("forward", b=b, h=hq, i=i):
-                    key_blocks = p.visible_cols(r0, r1, blocks.cols, (b, hq, i))
+                    key_blocks = p.visible_cols(r0, r1, blocks.rows, blocks.cols, b, hq)
                     if not key_blocks:
                         h.fill("O", rows(b, hq, r0, r1), 0.0)
                         h.fill("LSE", vec(b, hq, r0, r1), -np.inf)
@@ -76,15 +76,16 @@ def _key_block_pass(h, p, blocks, ctx, accumulate_dq, dq_name="dQ"):
         for hk in range(p.nheads_kv):
             for j, c0, c1 in p.col_blocks(blocks.cols):
                 with h.step("dK, dV", b=b, h_kv=hk, j=j):
-                    query_blocks = p.visible_rows(c0, c1, blocks.rows)
-                    if not query_blocks:
+                    heads = range(hk * p.group, (hk + 1) * p.group)
+                    query_blocks = {hq: p.visible_rows(c0, c1, blocks.rows, blocks.cols, b, hq) for hq in heads}
+                    if not any(query_blocks.values()):
                         h.fill("dK", rows(b, hk, c0, c1), 0.0)
                         h.fill("dV", rows(b, hk, c0, c1), 0.0)
                         continue
                     kj, vj = h.load("K", rows(b, hk, c0, c1)), h.load("V", rows(b, hk, c0, c1))
                     dkj, dvj = h.alloc("dK_j", (c1 - c0, d)), h.alloc("dV_j", (c1 - c0, d))
-                    for hq in range(hk * p.group, (hk + 1) * p.group):
-                        for i, r0, r1 in query_blocks:
+                    for hq in heads:
+                        for i, r0, r1 in query_blocks[hq]:
                             with h.step("dK, dV", b=b, h=hq, i=i, j=j):
                                 n = r1 - r0
                                 qi, doi = h.load("Q", rows(b, hq, r0, r1)), h.load("dO", rows(b, hq, r0, r1))
@@ -120,7 +121,7 @@ def _query_block_pass(h, p, blocks, ctx):
             hk = hq // p.group
             for i, r0, r1 in p.row_blocks(blocks.rows):
                 with h.step("dQ", b=b, h=hq, i=i):
-                    key_blocks = p.visible_cols(r0, r1, blocks.cols)
+                    key_blocks = p.visible_cols(r0, r1, blocks.rows, blocks.cols, b, hq)
                     if not key_blocks:
                         h.fill("dQ", rows(b, hq, r0, r1), 0.0)
                         continue

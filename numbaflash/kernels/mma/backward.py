@@ -29,7 +29,9 @@ from ..blocks import key_block, query_block, tensor_core_backward
 from ..gradients import row_steps, stats_stager, transposed_steps
 from ..intrinsics import cp_async_commit, cp_async_wait_all, cp_async_wait_one
 from ..fragments import fill, fragment_writer
+from ..key_tiles import key_tiles
 from ..mods import modifiers
+from ..query_tiles import query_tiles
 from ..sequences import sequences
 from .tiles import lane_offsets, products, row_stride, stager
 
@@ -88,6 +90,7 @@ def build_dkdv(D, tiles, storage, mods=NONE):
     modifier = modifiers(mods, types.float32, fast=True)
     prepare, natural = modifier.prepare, modifier.natural
     probabilities, ds = transposed_steps(M, NT, mods)
+    tile_count, tile_of, tile_full = query_tiles(mods, BLOCK_M, BLOCK_N)
     ZERO, ONE = types.float32(0), types.float32(1)
 
     def attention_backward_dkdv_mma(q, k, v, dout, lse, delta, dk, dv, scale_log2, left, right, vec, mod):
@@ -114,19 +117,18 @@ def build_dkdv(D, tiles, storage, mods=NONE):
         a_off, b_off, t_off = lane_offsets(lane, LD)
         warp_key = key_start + warp * ROWS
 
-        if q_lo < q_hi:  # block-uniform: no query sees these keys otherwise, and dK = dV = 0
+        ntiles = tile_count(mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q)
+        if ntiles > 0:  # block-uniform: no query sees these keys otherwise, and dK = dV = 0
             smem = cuda.shared.array(0, types.uint16)
             stats = cuda.shared.array(0, types.float32)  # the same memory: two stages of (LSE, D) x BLOCK_N
-            q_first = (q_lo // BLOCK_N) * BLOCK_N
-            per_head = (q_hi - q_first + BLOCK_N - 1) // BLOCK_N
-            ntiles = group * per_head
+            h_next, q_next = tile_of(mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, 0)
             stage(smem, K_AT, k, b, key_start, hk, BLOCK_M, tid, vec)
             stage(smem, V_AT, v, b, key_start, hk, BLOCK_M, tid, vec)
-            stage(smem, Q_AT, q, b, q_first, hk * group, BLOCK_N, tid, vec)
-            stage(smem, DO_AT, dout, b, q_first, hk * group, BLOCK_N, tid, vec)
+            stage(smem, Q_AT, q, b, q_next, h_next, BLOCK_N, tid, vec)
+            stage(smem, DO_AT, dout, b, q_next, h_next, BLOCK_N, tid, vec)
             cp_async_commit()
             next_stat = cuda.local.array(PER_THREAD, types.float32)
-            load_stats(next_stat, lse, delta, b, hk * group, q_first, tid)
+            load_stats(next_stat, lse, delta, b, h_next, q_next, tid)
             store_stats(stats, 0, next_stat, tid)
             k_at = K_AT + warp * ROWS * LD + a_off
             v_at = V_AT + warp * ROWS * LD + a_off
@@ -136,15 +138,14 @@ def build_dkdv(D, tiles, storage, mods=NONE):
             frag = cuda.local.array((M, 4), types.uint32)  # A fragments of the warp's m-tiles (`products`)
 
             for it in range(ntiles):
-                h = hk * group + it // per_head
+                h, q_start = h_next, q_next
                 bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)
-                q_start = q_first + (it % per_head) * BLOCK_N
+                block_full = tile_full(mod, b, hk, key_start, it)
                 at = (it % 2) * BLOCK_N * LD
                 st = (it % 2) * 2 * BLOCK_N
                 if it + 1 < ntiles:
                     # The other stage was last read in the previous iteration, which ended with a barrier.
-                    h_next = hk * group + (it + 1) // per_head
-                    q_next = q_first + ((it + 1) % per_head) * BLOCK_N
+                    h_next, q_next = tile_of(mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, it + 1)
                     stage(smem, Q_AT + BLOCK_N * LD - at, q, b, q_next, h_next, BLOCK_N, tid, vec)
                     stage(smem, DO_AT + BLOCK_N * LD - at, dout, b, q_next, h_next, BLOCK_N, tid, vec)
                     cp_async_commit()
@@ -161,7 +162,7 @@ def build_dkdv(D, tiles, storage, mods=NONE):
                     if c_start < q_hi and c_start + CHUNK > q_lo:  # block-uniform: the chunk meets a visible row
                         scores(s, frag, smem, k_at, Q_AT + at + c0 * LD + b_off)
                         probabilities(s, dlogit, stats, st, q_start, c0, warp_key, key_start, key_start + BLOCK_M, g,
-                                      t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh)
+                                      t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh, block_full)
                         accumulate(dv_acc, s, frag, smem, DO_AT + at + c0 * LD + t_off)  # dV += P^T dO
                         scores(dp, frag, smem, v_at, DO_AT + at + c0 * LD + b_off)
                         ds(s, dp, dlogit, stats, st + BLOCK_N + c0, t)
@@ -195,6 +196,7 @@ def build_dq(D, tiles, storage, mods=NONE):
     modifier = modifiers(mods, types.float32, fast=True)
     prepare, natural = modifier.prepare, modifier.natural
     rows, ds = row_steps(M, NT, mods)
+    tile_count, tile_start, tile_full = key_tiles(mods, BLOCK_M, BLOCK_N)
     ZERO = types.float32(0)
 
     def attention_backward_dq_mma(q, k, v, dout, lse, delta, dq, scale_log2, left, right, vec, mod):
@@ -219,14 +221,15 @@ def build_dq(D, tiles, storage, mods=NONE):
         a_off, b_off, t_off = lane_offsets(lane, LD)
         warp_row = row_start + warp * ROWS
 
-        if lo < hi:  # block-uniform: these rows see no key otherwise, and dQ = 0
+        n_base = (lo // BLOCK_N) * BLOCK_N  # without a block mask, the first tile's first key
+        ntiles = tile_count(mod, b, h, row_start, lo, hi) if lo < hi else 0
+        if ntiles > 0:  # block-uniform: these rows see no key otherwise, and dQ = 0
             smem = cuda.shared.array(0, types.uint16)
-            n_first = (lo // BLOCK_N) * BLOCK_N
-            ntiles = (hi - n_first + BLOCK_N - 1) // BLOCK_N
+            n_next = tile_start(mod, b, h, row_start, n_base, 0)
             stage(smem, Q_AT, q, b, row_start, h, BLOCK_M, tid, vec)
             stage(smem, DO_AT, dout, b, row_start, h, BLOCK_M, tid, vec)
-            stage(smem, K_AT, k, b, n_first, hk, BLOCK_N, tid, vec)
-            stage(smem, V_AT, v, b, n_first, hk, BLOCK_N, tid, vec)
+            stage(smem, K_AT, k, b, n_next, hk, BLOCK_N, tid, vec)
+            stage(smem, V_AT, v, b, n_next, hk, BLOCK_N, tid, vec)
             cp_async_commit()
             lse2 = cuda.local.array(M_ROWS, types.float32)
             dsum = cuda.local.array(M_ROWS, types.float32)
@@ -240,12 +243,14 @@ def build_dq(D, tiles, storage, mods=NONE):
             frag = cuda.local.array((M, 4), types.uint32)  # A fragments of the warp's m-tiles (`products`)
 
             for it in range(ntiles):
-                n_start = n_first + it * BLOCK_N
+                n_start = n_next
+                block_full = tile_full(mod, b, h, row_start, it)
                 at = (it % 2) * BLOCK_N * LD
                 if it + 1 < ntiles:
                     # The other stage was last read in the previous iteration, which ended with a barrier.
-                    stage(smem, K_AT + BLOCK_N * LD - at, k, b, n_start + BLOCK_N, hk, BLOCK_N, tid, vec)
-                    stage(smem, V_AT + BLOCK_N * LD - at, v, b, n_start + BLOCK_N, hk, BLOCK_N, tid, vec)
+                    n_next = tile_start(mod, b, h, row_start, n_base, it + 1)
+                    stage(smem, K_AT + BLOCK_N * LD - at, k, b, n_next, hk, BLOCK_N, tid, vec)
+                    stage(smem, V_AT + BLOCK_N * LD - at, v, b, n_next, hk, BLOCK_N, tid, vec)
                     cp_async_commit()
                     cp_async_wait_one()  # this tile has landed; the next may still be in flight
                 else:
@@ -260,7 +265,7 @@ def build_dq(D, tiles, storage, mods=NONE):
                         full = masks.tile_is_full(row_start, row_end, c_start, c_start + CHUNK, seqlen_q, seqlen_k,
                                                   left, right)
                         ds(s, dp, lse2, dsum, lo_r, hi_r, full, warp_row, c_start, g, t, seqlen_q, seqlen_k,
-                           scale_log2, b, h, bh)
+                           scale_log2, b, h, bh, block_full)
                         accumulate(dq_acc, dp, frag, smem, K_AT + at + c0 * LD + t_off)  # dQ += dS K
                 cuda.syncthreads()  # this stage is free for the copies issued at the top of the next iteration
 

@@ -34,7 +34,9 @@ from .. import elements
 from ..blocks import key_block, query_block
 from ..intrinsics import device_function, group_sum
 from ..fragments import fill
+from ..key_tiles import key_tiles
 from ..mods import kernel_type, modifiers
+from ..query_tiles import query_tiles
 from ..sequences import sequences
 from .tiles import in_parts, outer_product, patch_writer, stagers, vector_width
 
@@ -172,6 +174,7 @@ def build_dkdv(D, tiles, storage, mods=NONE):
     grad_patch = in_parts(outer_product(TK, VV, TD // VV, COLS_T * VV), BLOCK_Q)  # dV += P^T dO, dK += dS^T Q
     write_row = patch_writer(TD, VV, COLS_T, from_acc)
     load_rows = _rows_statistics(TQ, ACC)
+    tile_count, tile_of, tile_full = query_tiles(mods, BLOCK_K, BLOCK_Q)
     _, _, prepare, _, logit2, visible, natural = modifiers(mods, ACC)
 
     def attention_backward_dkdv(q, k, v, dout, lse, delta, dk, dv, scale_log2, left, right, vec, mod):
@@ -196,7 +199,8 @@ def build_dkdv(D, tiles, storage, mods=NONE):
         fill(dk_acc, TK, TD, ZERO)
         fill(dv_acc, TK, TD, ZERO)
 
-        if q_lo < q_hi:  # block-uniform: no query sees these keys otherwise, and dK = dV = 0
+        ntiles = tile_count(mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q)
+        if ntiles > 0:  # block-uniform: no query sees these keys otherwise, and dK = dV = 0
             smem = cuda.shared.array(0, ACC)
             k_t = smem[K_AT:V_AT]  # (D, LDK): K^T
             v_t = smem[V_AT:Q_AT]  # (D, LDK): V^T
@@ -211,40 +215,41 @@ def build_dkdv(D, tiles, storage, mods=NONE):
             part = cuda.local.array((TK, TQ), ACC)
             lse2 = cuda.local.array(TQ, ACC)
             dsum = cuda.local.array(TQ, ACC)
-            for h in range(hk * group, (hk + 1) * group):
+            for it in range(ntiles):
+                h, q_start = tile_of(mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, it)
                 bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)
-                for q_start in range((q_lo // BLOCK_Q) * BLOCK_Q, q_hi, BLOCK_Q):
-                    q_end = min(q_start + BLOCK_Q, seqlen_q)
-                    cuda.syncthreads()  # the previous tile's products are done with every buffer
-                    stage_q_t(q_buf, LDQ, q, b, q_start, h, scale_log2, tid, vec)
-                    stage_q_t(do_buf, LDQ, dout, b, q_start, h, ONE, tid, vec)
-                    load_rows(lse2, dsum, lse, delta, b, h, q_start + c * TQ)
-                    cuda.syncthreads()  # Q^T and dO^T are complete
+                block_full = tile_full(mod, b, hk, key_start, it)
+                q_end = min(q_start + BLOCK_Q, seqlen_q)
+                cuda.syncthreads()  # the previous tile's products are done with every buffer
+                stage_q_t(q_buf, LDQ, q, b, q_start, h, scale_log2, tid, vec)
+                stage_q_t(do_buf, LDQ, dout, b, q_start, h, ONE, tid, vec)
+                load_rows(lse2, dsum, lse, delta, b, h, q_start + c * TQ)
+                cuda.syncthreads()  # Q^T and dO^T are complete
 
-                    fill(s, TK, TQ, ZERO)
-                    fill(dp, TK, TQ, ZERO)
-                    scores_patch(s, part, TK, TQ, k_t, r * TK, LDK, q_buf, c * TQ, LDQ, D)
-                    scores_patch(dp, part, TK, TQ, v_t, r * TK, LDK, do_buf, c * TQ, LDQ, D)
-                    full = masks.tile_is_full(q_start, q_end, key_start, key_start + BLOCK_K, seqlen_q, seqlen_k, left, right)
-                    for bb in range(TQ):
-                        row = q_start + c * TQ + bb
-                        lo_b, hi_b = masks.key_range(row, seqlen_q, seqlen_k, left, right)
-                        distance = ACC(row + seqlen_k - seqlen_q - key_start - r * TK)  # ALiBi's, first key
-                        for a in range(TK):
-                            key = key_start + r * TK + a
-                            p, grad = ZERO, ZERO
-                            if ((full or (key >= lo_b and key < hi_b)) and row < seqlen_q
-                                    and visible(b, h, row, key, bh)):
-                                x, grad = logit2(s[a, bb], b, h, row, key, abs(distance - ACC(a)), bh)
-                                p = math.exp2(x - lse2[bb])
-                            p_s[(c * TQ + bb) * LDP + r * TK + a] = p
-                            ds_s[(c * TQ + bb) * LDP + r * TK + a] = p * (dp[a, bb] - dsum[bb]) * grad
-                    cuda.syncthreads()  # everyone is done with Q^T and dO^T; P and dS are complete
-                    stage_q_n(q_buf, D, q, b, q_start, h, scale_log2, tid, vec)
-                    stage_q_n(do_buf, D, dout, b, q_start, h, ONE, tid, vec)
-                    cuda.syncthreads()  # Q and dO, row-major, are complete
-                    grad_patch(dv_acc, tile, TK, TD, p_s, r * TK, LDP, do_buf, c * VV, D, BLOCK_Q)
-                    grad_patch(dk_acc, tile, TK, TD, ds_s, r * TK, LDP, q_buf, c * VV, D, BLOCK_Q)
+                fill(s, TK, TQ, ZERO)
+                fill(dp, TK, TQ, ZERO)
+                scores_patch(s, part, TK, TQ, k_t, r * TK, LDK, q_buf, c * TQ, LDQ, D)
+                scores_patch(dp, part, TK, TQ, v_t, r * TK, LDK, do_buf, c * TQ, LDQ, D)
+                full = masks.tile_is_full(q_start, q_end, key_start, key_start + BLOCK_K, seqlen_q, seqlen_k, left, right)
+                for bb in range(TQ):
+                    row = q_start + c * TQ + bb
+                    lo_b, hi_b = masks.key_range(row, seqlen_q, seqlen_k, left, right)
+                    distance = ACC(row + seqlen_k - seqlen_q - key_start - r * TK)  # ALiBi's, first key
+                    for a in range(TK):
+                        key = key_start + r * TK + a
+                        p, grad = ZERO, ZERO
+                        if ((full or (key >= lo_b and key < hi_b)) and row < seqlen_q
+                                and (block_full or visible(b, h, row, key, bh))):
+                            x, grad = logit2(s[a, bb], b, h, row, key, abs(distance - ACC(a)), bh)
+                            p = math.exp2(x - lse2[bb])
+                        p_s[(c * TQ + bb) * LDP + r * TK + a] = p
+                        ds_s[(c * TQ + bb) * LDP + r * TK + a] = p * (dp[a, bb] - dsum[bb]) * grad
+                cuda.syncthreads()  # everyone is done with Q^T and dO^T; P and dS are complete
+                stage_q_n(q_buf, D, q, b, q_start, h, scale_log2, tid, vec)
+                stage_q_n(do_buf, D, dout, b, q_start, h, ONE, tid, vec)
+                cuda.syncthreads()  # Q and dO, row-major, are complete
+                grad_patch(dv_acc, tile, TK, TD, p_s, r * TK, LDP, do_buf, c * VV, D, BLOCK_Q)
+                grad_patch(dk_acc, tile, TK, TD, ds_s, r * TK, LDP, q_buf, c * VV, D, BLOCK_Q)
 
         # Q was pre-scaled by scale * log2(e): dK = scale dS^T Q = ln(2) dS^T (scale log2(e) Q) (by scale with
         # modifications: dK = dS^T (scale Q)).
@@ -274,6 +279,7 @@ def build_dq(D, tiles, storage, mods=NONE):
     grad_patch = in_parts(outer_product(TM, VV, TD // VV, COLS_T * VV), BLOCK_N)  # dQ += dS K over the keys
     write_row = patch_writer(TD, VV, COLS_T, from_acc)
     load_rows = _rows_statistics(TM, ACC)
+    tile_count, tile_start, tile_full = key_tiles(mods, BLOCK_M, BLOCK_N)
     _, _, prepare, _, logit2, visible, natural = modifiers(mods, ACC)
 
     def attention_backward_dq(q, k, v, dout, lse, delta, dq, scale_log2, left, right, vec, mod):
@@ -294,7 +300,9 @@ def build_dq(D, tiles, storage, mods=NONE):
         dq_acc = cuda.local.array((TM, TD), ACC)
         tile = cuda.local.array((TM, TD), ACC)  # one key tile's dS K: a two-level sum
         fill(dq_acc, TM, TD, ZERO)
-        if lo < hi:  # block-uniform: these rows see no key otherwise, and dQ = 0
+        n_base = (lo // BLOCK_N) * BLOCK_N  # without a block mask, the first tile's first key
+        ntiles = tile_count(mod, b, h, row_start, lo, hi) if lo < hi else 0
+        if ntiles > 0:  # block-uniform: these rows see no key otherwise, and dQ = 0
             smem = cuda.shared.array(0, ACC)
             q_t = smem[Q_AT:DO_AT]  # (D, LDQ): Q^T, pre-scaled
             do_t = smem[DO_AT:K_AT]  # (D, LDQ): dO^T
@@ -310,7 +318,9 @@ def build_dq(D, tiles, storage, mods=NONE):
             dsum = cuda.local.array(TM, ACC)
             load_rows(lse2, dsum, lse, delta, b, h, row_start + r * TM)
 
-            for n_start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
+            for it in range(ntiles):
+                n_start = tile_start(mod, b, h, row_start, n_base, it)
+                block_full = tile_full(mod, b, h, row_start, it)
                 cuda.syncthreads()  # the previous tile's dQ product is done with K; Q^T, dO^T complete
                 stage_k_t(k_buf, LDK, k, b, n_start, hk, ONE, tid, vec)
                 stage_k_t(v_t, LDK, v, b, n_start, hk, ONE, tid, vec)
@@ -328,7 +338,8 @@ def build_dq(D, tiles, storage, mods=NONE):
                     for bb in range(TN):
                         key = n_start + c * TN + bb
                         ds = ZERO
-                        if (full or (key >= lo_a and key < hi_a)) and row < seqlen_q and visible(b, h, row, key, bh):
+                        if ((full or (key >= lo_a and key < hi_a)) and row < seqlen_q
+                                and (block_full or visible(b, h, row, key, bh))):
                             x, grad = logit2(s[a, bb], b, h, row, key, abs(distance - ACC(bb)), bh)
                             ds = math.exp2(x - lse2[a]) * (dp[a, bb] - dsum[a]) * grad
                         ds_t[(c * TN + bb) * LDD + r * TM + a] = ds

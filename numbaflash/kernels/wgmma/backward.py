@@ -28,7 +28,9 @@ from ..fragments import fill, fragment_writer
 from ..gradients import row_steps, stats_stager, transposed_steps
 from ..intrinsics import (cp_async_commit, cp_async_wait_all, cp_async_wait_one, device_function, fence_proxy_async,
                          shared_address, wgmma_commit, wgmma_fence, wgmma_wait0, wgmma_wait1)
+from ..key_tiles import key_tiles
 from ..mods import modifiers
+from ..query_tiles import query_tiles
 from .tiles import ALIGN, ATOM, advance, aligned_base, operand, pack_p, products, stager
 
 
@@ -75,7 +77,7 @@ def dkdv_step(D, tiles, storage, mods=NONE):
 
     @device_function
     def step(smem, descs, at, s, dp, dlogit, p, d_s, dk_acc, dv_acc, stats, st, q_start, warp_key, key_start, g, t,
-             seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh):
+             seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh, block_full):
         k_desc, v_desc, q_desc, do_desc, q_mn, do_mn = descs
         wgmma_fence()
         scores(s, smem, k_desc, advance(q_desc, at))  # S^T = K Q^T
@@ -84,7 +86,7 @@ def dkdv_step(D, tiles, storage, mods=NONE):
         wgmma_commit()
         wgmma_wait1()  # S^T is done; dP^T may still run under P^T below
         probabilities(s, dlogit, stats, st, q_start, 0, warp_key, key_start, key_start + BLOCK_M, g, t, seqlen_q,
-                      seqlen_k, left, right, scale_log2, b, h, bh)
+                      seqlen_k, left, right, scale_log2, b, h, bh, block_full)
         pack(p, s)
         wgmma_fence()
         accumulate(dv_acc, p, smem, advance(do_mn, at))  # dV += P^T dO
@@ -119,7 +121,7 @@ def dq_step(D, tiles, storage, mods=NONE):
 
     @device_function
     def step(smem, descs, at, s, dp, d_s, dq_acc, lse2, dsum, lo_r, hi_r, row_start, row_end, warp_row, n_start, g, t,
-             seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh):
+             seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh, block_full):
         q_desc, do_desc, k_desc, v_desc, k_mn = descs
         wgmma_fence()
         scores(s, smem, q_desc, advance(k_desc, at))  # S = Q K^T
@@ -128,7 +130,8 @@ def dq_step(D, tiles, storage, mods=NONE):
         wgmma_commit()
         wgmma_wait0()
         full = masks.tile_is_full(row_start, row_end, n_start, n_start + BLOCK_N, seqlen_q, seqlen_k, left, right)
-        ds(s, dp, lse2, dsum, lo_r, hi_r, full, warp_row, n_start, g, t, seqlen_q, seqlen_k, scale_log2, b, h, bh)
+        ds(s, dp, lse2, dsum, lo_r, hi_r, full, warp_row, n_start, g, t, seqlen_q, seqlen_k, scale_log2, b, h, bh,
+           block_full)
         pack(d_s, dp)
         wgmma_fence()
         accumulate(dq_acc, d_s, smem, advance(k_mn, at))  # dQ += dS K
@@ -148,6 +151,7 @@ def build_dkdv(D, tiles, storage, mods=NONE):
     stage_kv, stage_q = stager(D, BLOCK_M, THREADS), stager(D, BLOCK_N, THREADS)
     operands, step = dkdv_step(D, tiles, storage, mods)
     load_stats, store_stats, PER_THREAD = stats_stager(BLOCK_N, THREADS)
+    tile_count, tile_of, tile_full = query_tiles(mods, BLOCK_M, BLOCK_N)
     modifier = modifiers(mods, types.float32, fast=True)
     prepare, natural = modifier.prepare, modifier.natural
     write_grad = fragment_writer(D, storage)
@@ -168,21 +172,20 @@ def build_dkdv(D, tiles, storage, mods=NONE):
         fill(dv_acc, DT, 4, ZERO)
         warp_key = key_start + wg * 64 + warp * 16
 
-        if q_lo < q_hi:  # block-uniform: no query sees these keys otherwise, and dK = dV = 0
+        ntiles = tile_count(mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q)
+        if ntiles > 0:  # block-uniform: no query sees these keys otherwise, and dK = dV = 0
             smem = cuda.shared.array(0, types.uint16)
             stats = cuda.shared.array(0, types.float32)  # the same memory: LSE and D stages after the tiles
             base = aligned_base(smem)
             stats_at = (base + STATS_AT) // 2
-            q_first = (q_lo // BLOCK_N) * BLOCK_N
-            per_head = (q_hi - q_first + BLOCK_N - 1) // BLOCK_N
-            ntiles = group * per_head
+            h_next, q_next = tile_of(mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, 0)
             stage_kv(smem, base + K_AT, k, b, key_start, hk, tid, vec)
             stage_kv(smem, base + V_AT, v, b, key_start, hk, tid, vec)
-            stage_q(smem, base + Q_AT, q, b, q_first, hk * group, tid, vec)
-            stage_q(smem, base + DO_AT, dout, b, q_first, hk * group, tid, vec)
+            stage_q(smem, base + Q_AT, q, b, q_next, h_next, tid, vec)
+            stage_q(smem, base + DO_AT, dout, b, q_next, h_next, tid, vec)
             cp_async_commit()
             next_stat = cuda.local.array(PER_THREAD, types.float32)
-            load_stats(next_stat, lse, delta, b, hk * group, q_first, tid)
+            load_stats(next_stat, lse, delta, b, h_next, q_next, tid)
             store_stats(stats, stats_at, next_stat, tid)
             # A: the warpgroup's 64 keys of K and V; B: the streamed Q and dO, K-major for S^T and dP^T,
             # MN-major for dK and dV.
@@ -194,15 +197,13 @@ def build_dkdv(D, tiles, storage, mods=NONE):
             d_s = cuda.local.array((PS, 4), types.uint32)  # dS^T rounded: of dK += dS^T Q
 
             for it in range(ntiles):
-                h = hk * group + it // per_head
+                h, q_start = h_next, q_next
                 bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)
-                q_start = q_first + (it % per_head) * BLOCK_N
                 at = (it % 2) * TILE
                 st = stats_at + (it % 2) * 2 * BLOCK_N
                 if it + 1 < ntiles:
                     # The other stage was last read in the previous iteration, which ended with a barrier.
-                    h_next = hk * group + (it + 1) // per_head
-                    q_next = q_first + ((it + 1) % per_head) * BLOCK_N
+                    h_next, q_next = tile_of(mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, it + 1)
                     stage_q(smem, base + Q_AT + TILE - at, q, b, q_next, h_next, tid, vec)
                     stage_q(smem, base + DO_AT + TILE - at, dout, b, q_next, h_next, tid, vec)
                     cp_async_commit()
@@ -216,7 +217,8 @@ def build_dkdv(D, tiles, storage, mods=NONE):
                 cuda.syncthreads()  # every thread's copies and statistics of this tile are visible
 
                 step(smem, descs, 2 * at, s, dp, dlogit, p, d_s, dk_acc, dv_acc, stats, st, q_start, warp_key,
-                     key_start, g, t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh)
+                     key_start, g, t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh,
+                     tile_full(mod, b, hk, key_start, it))
                 if it + 1 < ntiles:
                     store_stats(stats, stats_at + ((it + 1) % 2) * 2 * BLOCK_N, next_stat, tid)
                 cuda.syncthreads()  # this stage is free for the copies issued at the top of the next iteration
@@ -240,6 +242,7 @@ def build_dq(D, tiles, storage, mods=NONE):
     stage_q, stage_kv = stager(D, BLOCK_M, THREADS), stager(D, BLOCK_N, THREADS)
     operands, step = dq_step(D, tiles, storage, mods)
     rows, _ = row_steps(1, NT, mods)
+    tile_count, tile_start, tile_full = key_tiles(mods, BLOCK_M, BLOCK_N)
     modifier = modifiers(mods, types.float32, fast=True)
     prepare, natural = modifier.prepare, modifier.natural
     write_grad = fragment_writer(D, storage)
@@ -258,15 +261,16 @@ def build_dq(D, tiles, storage, mods=NONE):
         fill(dq_acc, DT, 4, ZERO)
         warp_row = row_start + wg * 64 + warp * 16
 
-        if lo < hi:  # block-uniform: these rows see no key otherwise, and dQ = 0
+        n_base = (lo // BLOCK_N) * BLOCK_N  # without a block mask, the first tile's first key
+        ntiles = tile_count(mod, b, h, row_start, lo, hi) if lo < hi else 0
+        if ntiles > 0:  # block-uniform: these rows see no key otherwise, and dQ = 0
             smem = cuda.shared.array(0, types.uint16)
             base = aligned_base(smem)
-            n_first = (lo // BLOCK_N) * BLOCK_N
-            ntiles = (hi - n_first + BLOCK_N - 1) // BLOCK_N
+            n_next = tile_start(mod, b, h, row_start, n_base, 0)
             stage_q(smem, base + Q_AT, q, b, row_start, h, tid, vec)
             stage_q(smem, base + DO_AT, dout, b, row_start, h, tid, vec)
-            stage_kv(smem, base + K_AT, k, b, n_first, hk, tid, vec)
-            stage_kv(smem, base + V_AT, v, b, n_first, hk, tid, vec)
+            stage_kv(smem, base + K_AT, k, b, n_next, hk, tid, vec)
+            stage_kv(smem, base + V_AT, v, b, n_next, hk, tid, vec)
             cp_async_commit()
             lse2 = cuda.local.array(2, types.float32)
             dsum = cuda.local.array(2, types.float32)
@@ -280,12 +284,13 @@ def build_dq(D, tiles, storage, mods=NONE):
             d_s = cuda.local.array((PS, 4), types.uint32)  # dS rounded to 16 bits: the A operand of dQ += dS K
 
             for it in range(ntiles):
-                n_start = n_first + it * BLOCK_N
+                n_start = n_next
                 at = (it % 2) * TILE
                 if it + 1 < ntiles:
                     # The other stage was last read in the previous iteration, which ended with a barrier.
-                    stage_kv(smem, base + K_AT + TILE - at, k, b, n_start + BLOCK_N, hk, tid, vec)
-                    stage_kv(smem, base + V_AT + TILE - at, v, b, n_start + BLOCK_N, hk, tid, vec)
+                    n_next = tile_start(mod, b, h, row_start, n_base, it + 1)
+                    stage_kv(smem, base + K_AT + TILE - at, k, b, n_next, hk, tid, vec)
+                    stage_kv(smem, base + V_AT + TILE - at, v, b, n_next, hk, tid, vec)
                     cp_async_commit()
                     cp_async_wait_one()  # this tile has landed; the next may still be in flight
                 else:
@@ -294,7 +299,8 @@ def build_dq(D, tiles, storage, mods=NONE):
                 cuda.syncthreads()  # every thread's copies of this tile (and of Q, dO) are visible
 
                 step(smem, descs, 2 * at, s, dp, d_s, dq_acc, lse2, dsum, lo_r, hi_r, row_start, row_end, warp_row,
-                     n_start, g, t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh)
+                     n_start, g, t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh,
+                     tile_full(mod, b, h, row_start, it))
                 cuda.syncthreads()  # this stage is free for the copies issued at the top of the next iteration
 
         # dQ = scale dS K with scale = scale_log2 ln(2) (the scale argument with modifications); the rows past

@@ -35,7 +35,9 @@ from ..gradients import row_steps, stats_stager
 from ..intrinsics import (device_function, fence_proxy_async, mbarrier_arrive, mbarrier_arrive_expect_tx,
                          mbarrier_init, named_barrier_sync, red_add2, setmaxnreg_dec, setmaxnreg_inc, shared_address,
                          tensormap_acquire, wgmma_commit, wgmma_fence, wgmma_ss, wgmma_wait0)
+from ..key_tiles import key_tiles
 from ..mods import modifiers
+from ..query_tiles import query_tiles
 from . import tensor_maps
 from .backward import dkdv_step, dq_step
 from .pipeline import BARRIER_ELEMENTS, PRODUCER, bulk_copier, check_registers, release, wait
@@ -171,6 +173,7 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
     store_ds = ds_storer(BLOCK_N) if accumulate_dq else None
     add_dq = dq_accumulator(D, tiles, storage) if accumulate_dq else None
     load_stats, store_stats, PER_THREAD = stats_stager(BLOCK_N, STATS_THREADS)
+    tile_count, tile_of, tile_full = query_tiles(mods, BLOCK_M, BLOCK_N)
     modifier = modifiers(mods, types.float32, fast=True)
     prepare, natural = modifier.prepare, modifier.natural
     write_grad = fragment_writer(D, storage)
@@ -178,7 +181,7 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
     ZERO, ONE = types.float32(0), types.float32(1)
 
     @device_function
-    def produce(smem, base, lse, delta, maps, b, hk, key_start, group, q_first, per_head, ntiles, lane):
+    def produce(smem, base, lse, delta, maps, mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, ntiles, lane):
         stats = cuda.shared.array(0, types.float32)  # the same memory: the rings' LSE and D
         if lane == 0:
             for which in range(4):  # Q, dO, K, V
@@ -189,8 +192,7 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
         regs = cuda.local.array(PER_THREAD, types.float32)
         for it in range(ntiles):
             s = it % STAGES
-            h = hk * group + it // per_head
-            q_start = q_first + (it % per_head) * BLOCK_N
+            h, q_start = tile_of(mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, it)
             load_stats(regs, lse, delta, b, h, q_start, lane)  # before the wait: its latency hides under it
             wait(smem, base + EMPTY + s * BARRIER_ELEMENTS, ((it // STAGES) & 1) ^ 1)
             full = base + FULL + s * BARRIER_ELEMENTS
@@ -209,9 +211,7 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
         group = q.shape[2] // k.shape[2]
         b, hk, key_start, q_lo, q_hi = key_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
         tid = cuda.threadIdx.x
-        q_first = (q_lo // BLOCK_N) * BLOCK_N
-        per_head = (q_hi - q_first + BLOCK_N - 1) // BLOCK_N
-        ntiles = group * per_head if q_lo < q_hi else 0  # none: no query sees these keys, and dK = dV = 0
+        ntiles = tile_count(mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q)  # 0: dK = dV = 0
 
         smem = cuda.shared.array(0, types.uint16)
         base = aligned_base(smem)
@@ -225,7 +225,7 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
         if tid < PRODUCER:
             release_registers()
             if tid < STATS_THREADS and ntiles > 0:
-                produce(smem, base, lse, delta, maps, b, hk, key_start, group, q_first, per_head, ntiles, tid)
+                produce(smem, base, lse, delta, maps, mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, ntiles, tid)
             return
 
         take_registers()
@@ -253,16 +253,15 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
             wait(smem, base + KV_FULL, 0)
 
             for it in range(ntiles):
-                h = hk * group + it // per_head
+                h, q_start = tile_of(mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, it)
                 bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)
-                q_start = q_first + (it % per_head) * BLOCK_N
                 stage = it % STAGES
                 at = 2 * stage * TILE  # bytes into the rings
                 st = (base + STATS_AT) // 2 + stage * 2 * BLOCK_N
                 wait(smem, base + FULL + stage * BARRIER_ELEMENTS, (it // STAGES) & 1)
 
                 step(smem, descs, at, s, dp, dlogit, p, d_s, dk_acc, dv_acc, stats, st, q_start, warp_key, key_start,
-                     g, t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh)
+                     g, t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh, tile_full(mod, b, hk, key_start, it))
                 # The warpgroup's threads read the stage's LSE and D with ordinary loads: a barrier completes
                 # those reads before the one arrival, which releases them to the producer's next stores. racecheck
                 # does not follow that chain (12 hazards on these reads in scripts/sanitize.py); an arrival by every
@@ -311,6 +310,7 @@ def build_dq(D, tiles, storage, mods=NONE):
     copy_tile = bulk_copier(D)
     operands, step = dq_step(D, tiles, storage, mods)
     rows, _ = row_steps(1, NT, mods)
+    tile_count, tile_start, tile_full = key_tiles(mods, BLOCK_M, BLOCK_N)
     modifier = modifiers(mods, types.float32, fast=True)
     prepare, natural = modifier.prepare, modifier.natural
     write_grad = fragment_writer(D, storage)
@@ -318,7 +318,7 @@ def build_dq(D, tiles, storage, mods=NONE):
     ZERO = types.float32(0)
 
     @device_function
-    def produce(smem, base, maps, b, h, hk, row_start, n_first, ntiles):
+    def produce(smem, base, maps, mod, b, h, hk, row_start, n_base, ntiles):
         for which in range(4):  # Q, dO, K, V
             tensormap_acquire(maps, which)
         mbarrier_arrive_expect_tx(smem, base + QDO_FULL, 2 * 2 * BLOCK_M * D)
@@ -329,8 +329,9 @@ def build_dq(D, tiles, storage, mods=NONE):
             wait(smem, base + EMPTY + s * BARRIER_ELEMENTS, ((it // STAGES) & 1) ^ 1)
             full = base + FULL + s * BARRIER_ELEMENTS
             mbarrier_arrive_expect_tx(smem, full, 2 * 2 * BLOCK_N * D)
-            copy_tile(smem, base + K_AT + s * TILE, full, maps, 2, hk, n_first + it * BLOCK_N, b, BLOCK_N)
-            copy_tile(smem, base + V_AT + s * TILE, full, maps, 3, hk, n_first + it * BLOCK_N, b, BLOCK_N)
+            n_start = tile_start(mod, b, h, row_start, n_base, it)
+            copy_tile(smem, base + K_AT + s * TILE, full, maps, 2, hk, n_start, b, BLOCK_N)
+            copy_tile(smem, base + V_AT + s * TILE, full, maps, 3, hk, n_start, b, BLOCK_N)
 
     def attention_backward_dq_wgmma_ws(q, k, v, dout, lse, delta, dq, scale_log2, left, right, vec, maps, mod):
         # q, dout, dq: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v: (batch, seqlen_k, nheads_kv,
@@ -338,8 +339,8 @@ def build_dq(D, tiles, storage, mods=NONE):
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
         tid = cuda.threadIdx.x
-        n_first = (lo // BLOCK_N) * BLOCK_N
-        ntiles = (hi - n_first + BLOCK_N - 1) // BLOCK_N if lo < hi else 0  # none: these rows see no key, dQ = 0
+        n_base = (lo // BLOCK_N) * BLOCK_N  # without a block mask, the first tile's first key
+        ntiles = tile_count(mod, b, h, row_start, lo, hi) if lo < hi else 0  # none: these rows see no key, dQ = 0
 
         smem = cuda.shared.array(0, types.uint16)
         base = aligned_base(smem)
@@ -353,7 +354,7 @@ def build_dq(D, tiles, storage, mods=NONE):
         if tid < PRODUCER:
             release_registers()
             if tid == 0 and ntiles > 0:  # one thread issues the bulk copies
-                produce(smem, base, maps, b, h, hk, row_start, n_first, ntiles)
+                produce(smem, base, maps, mod, b, h, hk, row_start, n_base, ntiles)
             return
 
         take_registers()
@@ -379,12 +380,12 @@ def build_dq(D, tiles, storage, mods=NONE):
             wait(smem, base + QDO_FULL, 0)
 
             for it in range(ntiles):
-                n_start = n_first + it * BLOCK_N
+                n_start = tile_start(mod, b, h, row_start, n_base, it)
                 stage = it % STAGES
                 at = 2 * stage * TILE  # bytes into the rings
                 wait(smem, base + FULL + stage * BARRIER_ELEMENTS, (it // STAGES) & 1)
                 step(smem, descs, at, s, dp, d_s, dq_acc, lse2, dsum, lo_r, hi_r, row_start, row_end, warp_row, n_start,
-                     g, t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh)
+                     g, t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh, tile_full(mod, b, h, row_start, it))
                 release(smem, base + EMPTY + stage * BARRIER_ELEMENTS, ctid)
 
         # dQ = scale dS K with scale = scale_log2 ln(2) (the scale argument with modifications); the rows past
