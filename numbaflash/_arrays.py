@@ -65,6 +65,15 @@ def _dtype_name(dtype):
     return str(dtype).replace("torch.", "")
 
 
+_TORCH_DTYPE_NAMES = {}  # a torch dtype's name, asked on every call
+
+
+def _torch_dtype_name(dtype):
+    if dtype not in _TORCH_DTYPE_NAMES:
+        _TORCH_DTYPE_NAMES[dtype] = _dtype_name(dtype)
+    return _TORCH_DTYPE_NAMES[dtype]
+
+
 def is_device_array(x):
     """Whether ``x`` is one of the GPU array kinds `describe` accepts (without touching the driver)."""
     return (type(x).__module__.split(".")[0] in ("torch", "cupy") or hasattr(x, "__cuda_array_interface__")
@@ -84,8 +93,8 @@ def describe(x, name):
         if not x.is_cuda:
             raise TypeError(f"{name} is a torch tensor on {x.device}: numbaflash runs on CUDA tensors")
         itemsize = x.element_size()
-        return Operand(x, "torch", tuple(x.shape), tuple(s * itemsize for s in x.stride()), _dtype_name(x.dtype),
-                       x.device.index, x.data_ptr())
+        return Operand(x, "torch", tuple(x.shape), tuple(s * itemsize for s in x.stride()), _torch_dtype_name(x.dtype),
+                       x.get_device(), x.data_ptr())
     if module == "cupy":
         return Operand(x, "cupy", x.shape, x.strides, _dtype_name(x.dtype), x.device.id, x.data.ptr)
     if hasattr(x, "__cuda_array_interface__"):
@@ -216,7 +225,9 @@ def stream_of(op):
     if op.kind == "torch":
         import torch
 
-        ptr = torch.cuda.current_stream(op.obj.device).cuda_stream
+        # torch's raw handle (what Triton launches on) costs a tenth of building the Stream object.
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        ptr = raw(op.device) if raw is not None else torch.cuda.current_stream(op.obj.device).cuda_stream
     elif op.kind == "cupy":
         import cupy
 

@@ -1,7 +1,9 @@
 """The public API: `attention`, `attention_backward`, `plan` and `explain`, with every check at the boundary."""
 
 import contextlib
+import copy
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -9,7 +11,7 @@ import numpy as np
 
 from numba.core.errors import NumbaError
 
-from . import _arrays, arguments, masks, tiling
+from . import _arrays, arguments, call_cache, masks, tiling
 from .block_sparsity import BlockMask
 from .mods import NONE, Mods, check as check_mods
 from .kernels import compiled
@@ -46,10 +48,20 @@ class Call:
     mods: Mods = NONE
     mod_values: tuple = ()  # the kernels' ``mod`` argument (`kernels.mods.values`), less a forward's block-mask table
     block_mask: BlockMask = None
+    # What was worked out for this layout (`call_cache`): shared by every call of it; None: not remembered.
+    memo: dict = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def device(self):
         return self.q.device
+
+    def remembered(self, key, make):
+        """``make()``, worked out once per layout under ``key`` where the layout is remembered."""
+        if self.memo is None:
+            return make()
+        if key not in self.memo:
+            self.memo[key] = make()
+        return self.memo[key]
 
     @property
     def lse_dtype(self):
@@ -67,7 +79,10 @@ def _check_scale(softmax_scale, headdim):
     return scale
 
 
-def inspect(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), names=("q", "k", "v"), modifications=None,
+NAMES = ("q", "k", "v")
+
+
+def inspect(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), names=NAMES, modifications=None,
             backward=False):
     """Validate a call and describe it; ValueError/TypeError messages name the problem and what is accepted.
 
@@ -80,6 +95,12 @@ def inspect(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), nam
     if any(on_host) and any(on_device):
         raise TypeError(f"{nq}, {nk}, {nv} mix host (NumPy) and device arrays; pass all three on the GPU")
     ops = [_arrays.describe(x, n) for x, n in zip((q, k, v), names)]
+    layout = call_cache.key(ops, causal, softmax_scale, window_size, modifications, backward) if names == NAMES else None
+    known = call_cache.get(layout)
+    if known is not None:
+        call = copy.copy(known)  # a third of dataclasses.replace's cost
+        call.q, call.k, call.v = ops
+        return call
     ndims = [len(op.shape) for op in ops]
     if not (all(n == 4 for n in ndims) or all(n == 2 for n in ndims)):
         raise ValueError(f"{nq}, {nk}, {nv} must all be 4-D (batch, seqlen, nheads, headdim) or all 2-D "
@@ -128,6 +149,9 @@ def inspect(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), nam
         slopes = _arrays.describe(slopes.obj[None, :], "alibi_slopes")  # (1, nheads): one row for every batch element
     call.mods = modified
     call.mod_values = kernel_mods.values(modified, softcap, slopes, mod_args, _accumulator_scalar(call))
+    if layout is not None:
+        call.memo = {}
+        call_cache.put(layout, dataclasses.replace(call, q=None, k=None, v=None))
     return call
 
 
@@ -166,7 +190,8 @@ def _accumulator_scalar(call):
 def _plan_for(call, backward, device=None, dout=None, deterministic=True):
     """The plan of ``call`` on ``device`` (default: the GPU its operands are on, current under `_device_context`);
     a backward's ``dout`` counts for the alignment its copies need."""
-    aligned = all(op.vector_aligned(8) for op in (call.q, call.k, call.v) + ((dout,) if dout is not None else ()))
+    aligned = call.remembered("aligned", lambda: all(op.vector_aligned(8) for op in (call.q, call.k, call.v)))
+    aligned = aligned and (dout is None or dout.vector_aligned(8))
     device = device or tiling.current_device(call.device)
     return tiling.make_plan(call.batch, call.nheads, call.nheads_kv, call.seqlen_q, call.seqlen_k, call.headdim,
                             call.dtype, backward=backward, device=device, aligned=aligned, packed=call.mods.packed,
@@ -186,11 +211,29 @@ def _check_plan(plan, call, direction):
 
 
 def _device_context(call):
-    if SIMULATOR:
+    """The operands' GPU current while a call runs: numba's context push costs about 10 microseconds, so it is
+    pushed only where another context is current (torch and CuPy leave the device's primary one current)."""
+    if SIMULATOR or _current_context() == _primary_context(call.device):
         return contextlib.nullcontext()
     from numba import cuda
 
     return cuda.gpus[call.device]
+
+
+def _current_context():
+    from cuda.bindings import driver
+
+    error, context = driver.cuCtxGetCurrent()
+    return int(context) if error == driver.CUresult.CUDA_SUCCESS else None
+
+
+@functools.lru_cache(maxsize=None)
+def _primary_context(device):
+    """The handle of numba's context on GPU ``device`` (the device's primary context)."""
+    from numba import cuda
+
+    with cuda.gpus[device]:
+        return int(cuda.current_context().handle)
 
 
 def plan(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), backward=False, device=None,
@@ -315,7 +358,7 @@ def vector_staging(plan, *operands):
 
 def run_forward(call, plan, out, lse):
     """Launch the forward kernel of ``plan`` on validated operands (``out``, ``lse`` preallocated)."""
-    vec = vector_staging(plan, call.q, call.k, call.v)
+    vec = call.remembered(("staging", plan.tiles), lambda: vector_staging(plan, call.q, call.k, call.v))
     args = [call.q, call.k, call.v, out, lse, _scale_arg(call), call.left, call.right, vec]
     tiling.check_copy_engine(plan.tiles, vec)
     if isinstance(plan.tiles, tiling.WgmmaTiles) and plan.tiles.producer:

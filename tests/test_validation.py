@@ -150,3 +150,33 @@ def test_the_torch_function_takes_torch_tensors():
 
     with pytest.raises(TypeError, match="takes torch tensors; q is a numpy.ndarray"):
         numbaflash.torch.attention(*qkv())
+
+
+def test_a_remembered_layout_still_refuses_what_the_checks_refuse():
+    """`call_cache` keeps what `inspect` found for a layout; the options enter its key with their types, so an
+    option the checks refuse is refused on a layout they have seen (the plain plan is asked for only: no kernel
+    runs), and the kept call holds no operand."""
+    import gc
+    import weakref
+
+    from numbaflash import call_cache
+
+    from numbaflash import interface
+
+    q, k, v = qkv()
+    first, again = (interface.inspect(q, k, v, True, 0.5) for _ in range(2))
+    assert again.memo is first.memo and again == first  # the second is the kept one, with its own operands
+    call_cache._CALLS.clear()
+    assert interface.inspect(q, k, v, True, 0.5) == again
+    assert all(entry.q is None and entry.memo is not None for entry in call_cache._CALLS.values())
+    for options, error, message in ((dict(causal=1), TypeError, "causal must be True or False"),
+                                    (dict(causal=np.True_, softmax_scale=float("nan")), ValueError, "finite"),
+                                    (dict(softmax_scale=True), TypeError, "softmax_scale must be a number"),
+                                    (dict(window_size=(5,)), ValueError, "window_size must be a pair"),
+                                    (dict(window_size=(-2, 0)), ValueError, "entries must be >= 0")):
+        with pytest.raises(error, match=message):
+            numbaflash.plan(q, k, v, **{**dict(causal=True, softmax_scale=0.5), **options})
+    seen = weakref.ref(q)
+    del q, first, again
+    gc.collect()
+    assert seen() is None

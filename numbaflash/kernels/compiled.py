@@ -92,6 +92,7 @@ class Kernel:
         self._itemsizes = [as_dtype(t.dtype).itemsize if isinstance(t, types.Array) else None for t in flat]
         self._scalars = [None if isinstance(t, types.Array) else _SCALARS[t] for t in flat]
         self._functions = {}  # device ordinal -> cuda.core kernel, with its dynamic shared memory raised
+        self._configs = {}  # (grid, threads, shared memory) -> cuda.core LaunchConfig
 
     def launch(self, grid, threads, smem_bytes, stream, *args):
         """Run on ``grid`` blocks of ``threads`` threads with ``smem_bytes`` of dynamic shared memory, on
@@ -122,7 +123,11 @@ class Kernel:
                     nitems *= n
                 params += (0, 0, nitems, itemsize, a.ptr, *a.shape, *a.strides)
         function = self._function(stream.device, smem_bytes)
-        launch(stream, LaunchConfig(grid=grid, block=threads, shmem_size=smem_bytes), function, *params)
+        config = self._configs.get((grid, threads, smem_bytes))
+        if config is None:  # made once per launch shape: its checks cost a tenth of a launch
+            config = self._configs[grid, threads, smem_bytes] = LaunchConfig(grid=grid, block=threads,
+                                                                              shmem_size=smem_bytes)
+        launch(stream, config, function, *params)
 
     @functools.cached_property
     def dispatcher(self):
