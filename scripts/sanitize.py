@@ -47,7 +47,7 @@ def grid():
                     plan = tiling.make_plan(b, h, hk, nq, nk, d, dtype, tiles=tiling.WGMMA_MODIFIED_TILES[64])
                     numbaflash.attention(q, k, v, plan=plan, **mask)
                     numbaflash.attention(*(cupy.concatenate([x] * 4, axis=-1) for x in (q, k, v)), **mask)
-        # Every modification at once, the mask through a block mask (the forward's tile table) on one shape:
+        # Every modification at once, the mask through a block mask (the kernels' tile tables) on one shape:
         # the user's functions read mod_args only at visible, in-bounds indices.
         b, nq, nk, h, hk, d = shapes[0]
         q, k, v, dout = (cupy.asarray(rng.standard_normal(s).astype(dtype)) for s in
@@ -59,7 +59,9 @@ def grid():
                              block_mask=numbaflash.block_mask(same_document, b, None, nq, nk,
                                                               mod_args=(doc_q, doc_k, temperature)))
         out, lse = numbaflash.attention(q, k, v, return_lse=True, **modifications)
-        numbaflash.attention_backward(dout, q, k, v, out, lse, **modifications)
+        numbaflash.attention_backward(dout, q, k, v, out, lse, **modifications)  # both passes' tile tables
+        if dtype == "float16":  # on Hopper the atomic dQ's key pass, with its table
+            numbaflash.attention_backward(dout, q, k, v, out, lse, deterministic=False, **modifications)
         # Packed sequences (varlen), causal, head dims 40 and 64 (on Hopper the wgmma v3 forward, which
         # varlen runs at 64 too): one with no queries, one with no keys, one shorter than a tile; a block
         # reads and writes its own sequence's rows only.
