@@ -25,12 +25,20 @@ at headdim 64 and 128 against 2.28x and 1.28x asking mask_mod everywhere, 8 docu
 from .intrinsics import device_function
 
 
+def table_entry(BLOCK_M):
+    """``entry(mod, b, h, start, i)``: entry ``i`` of the block-mask table (``mod[0]``) of the block of ``BLOCK_M``
+    rows (or keys) from ``start``, for batch element ``b`` and head ``h`` (a table's axis of 1 serves all)."""
+    @device_function
+    def entry(mod, b, h, start, i):
+        table = mod[0]
+        return table[b if table.shape[0] > 1 else 0, h if table.shape[1] > 1 else 0, start // BLOCK_M, i]
+
+    return entry
+
+
 def key_tiles(mods, BLOCK_M, BLOCK_N):
     if mods.block_sparse:
-        @device_function
-        def entry(mod, b, h, row_start, i):
-            table = mod[0]
-            return table[b if table.shape[0] > 1 else 0, h if table.shape[1] > 1 else 0, row_start // BLOCK_M, i]
+        entry = table_entry(BLOCK_M)
 
         @device_function
         def count(mod, b, h, row_start, lo, hi):

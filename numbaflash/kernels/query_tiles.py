@@ -19,14 +19,12 @@ count, entries 1.. are ``2 * (j * query tiles + query tile) + full`` for the gro
 """
 
 from .intrinsics import device_function
+from .key_tiles import table_entry
 
 
 def query_tiles(mods, BLOCK_M, BLOCK_N):
     if mods.block_sparse:
-        @device_function
-        def entry(mod, b, hk, key_start, i):
-            table = mod[0]
-            return table[b if table.shape[0] > 1 else 0, hk if table.shape[1] > 1 else 0, key_start // BLOCK_M, i]
+        entry = table_entry(BLOCK_M)  # of the key block's row, for its kv head
 
         @device_function
         def count(mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q):
