@@ -552,9 +552,6 @@ def _on_the_gpu(call, the_plan, causal, window_size):
     """What `sim.hardware` predicts this call moves on the GPU, and where it sits on the roofline."""
     from sim import hardware
 
-    if the_plan.dq_strategy == "atomic":
-        return ["on the GPU  not modelled: sim.hardware does not walk the atomic dQ's kernels (deterministic=False) "
-                "yet; the HBM traffic above counts them"]
     gpu = hardware.Gpu.current()
     where = f"{gpu.name}, modelled: the CUDA simulator has no GPU" if SIMULATOR else gpu.name
     visits = hardware.tile_visits(the_plan)
@@ -565,9 +562,10 @@ def _on_the_gpu(call, the_plan, causal, window_size):
     if call.single_head:
         operands = None  # the kernels see 4-D views of 2-D arrays; their layout is the contiguous one
     pred = hardware.predict(the_plan, causal=causal, window_size=window_size, operands=operands, gpu=gpu)
+    reductions = f", reductions {_mib(pred.total('reduce_bytes'))}" if pred.total("reduce_bytes") else ""
     lines = [f"on the GPU  sim.hardware ({where}): global memory {_mib(pred.global_bytes)} requested in 32-byte sectors "
              f"(loads {_mib(pred.total('load_bytes'))}, asynchronous copies {_mib(pred.total('async_bytes'))}, stores "
-             f"{_mib(pred.total('store_bytes'))}); DRAM {_mib(pred.dram_bytes)} after the L2 model (reads "
+             f"{_mib(pred.total('store_bytes'))}{reductions}); DRAM {_mib(pred.dram_bytes)} after the L2 model (reads "
              f"{_mib(pred.total('dram_read_bytes'))}, writes {_mib(pred.total('dram_write_bytes'))})"]
     bound = pred.bound()
     intensity = f"intensity   {pred.intensity:,.0f} FLOP per DRAM byte ({pred.flops / 1e9:,.1f} GFLOP)"

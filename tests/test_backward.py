@@ -6,7 +6,7 @@ from hypothesis import given, settings
 
 import numbaflash
 from cases import Case, cases, check_backward, gpu_cases, inputs
-from numbaflash import tiling
+from numbaflash import masks, tiling
 from numbaflash.tiling import MmaTiles
 import sim
 import sim.hardware
@@ -100,7 +100,8 @@ def test_deterministic_false_plans_and_refusals(arrays):
 def test_sim_counts_the_atomic_dq_schedule(causal):
     """`sim` counts deterministic=False's one pass (128 keys streaming 64 query rows) with dQ summed in a float32
     dQ_acc (zeroed, read and written per visible tile, read once more by the rounding pass), as its closed form
-    says; against the two passes, Q is read half as often and dQ_acc takes the place of the dQ pass."""
+    says; against the two passes, Q is read half as often and dQ_acc takes the place of the dQ pass. sim.hardware
+    walks its kernels: the two passes' dK/dV kernel's accesses and the reductions, then the rounding pass."""
     plan = tiling.make_plan(1, 2, 1, 300, 250, 64, "float16", backward=True, device=HOPPER, deterministic=False)
     sizes = dict(seqlen_k=250, nheads=2, nheads_kv=1, causal=causal, backward=True)
     counted = sim.count_io(300, 64, plan=plan, **sizes)
@@ -111,8 +112,21 @@ def test_sim_counts_the_atomic_dq_schedule(causal):
     two_passes = sim.count_io(300, 64, plan=tiling.make_plan(1, 2, 1, 300, 250, 64, "float16", backward=True,
                                                               device=HOPPER), **sizes)
     assert counted.per_tensor["Q"]["reads"] < two_passes.per_tensor["Q"]["reads"]
-    with pytest.raises(ValueError, match="does not model"):
-        sim.hardware.predict(plan, causal=causal, gpu=sim.hardware.H100)
+    # sim.hardware walks the one pass as the two passes' dK/dV kernel plus its reductions: whole 64-row tiles
+    # of the padded float32 dQ (128-key blocks x 64-row tiles that see them), then the rounding pass.
+    atomic = sim.hardware.predict(plan, causal=causal, gpu=sim.hardware.H100)
+    separate = sim.hardware.predict(tiling.make_plan(1, 2, 1, 300, 250, 64, "float16", backward=True, device=HOPPER),
+                                    causal=causal, gpu=sim.hardware.H100)
+    assert [k.kernel for k in atomic.kernels] == [launch.kernel for launch in plan.launches]
+    key_pass, post = atomic.kernels[1], atomic.kernels[2]
+    same = ("load_bytes", "copy_bytes", "tma_bytes", "store_bytes")
+    assert [getattr(key_pass, f) for f in same] == [getattr(separate.kernels[1], f) for f in same]
+    left, right = masks.normalize_window(causal, (-1, -1))
+    tiles = sum(len(range((lo // 64) * 64, hi, 64)) for lo, hi in
+                (masks.query_range(k0, min(k0 + 128, 250), 300, 250, left, right) for k0 in range(0, 250, 128)) if lo < hi)
+    assert key_pass.reduce_bytes == 2 * tiles * 64 * 64 * 4 > 0
+    assert (post.load_bytes, post.store_bytes, post.reduce_bytes) == (2 * 300 * 64 * 4, 2 * 300 * 64 * 2, 0)
+    assert atomic.global_bytes > 0 and atomic.dram_bytes > 0
 
 
 def test_hopper_backward_plans():

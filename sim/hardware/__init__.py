@@ -25,7 +25,7 @@ from .patterns import Operand
 @dataclass(frozen=True)
 class KernelTraffic:
     """One launch's bytes: requested from global memory (loads, cp.async copies, bulk tensor copies,
-    stores; all in 32-byte sectors) and moved by DRAM after the L2 model."""
+    stores, reductions; all in 32-byte sectors) and moved by DRAM after the L2 model."""
 
     kernel: str
     load_bytes: int
@@ -35,6 +35,7 @@ class KernelTraffic:
     dram_read_bytes: int
     dram_write_bytes: int
     resident_blocks: int
+    reduce_bytes: int = 0  # red.global.add of deterministic=False's dQ (`kernels.dkdv_blocks`)
 
     @property
     def async_bytes(self):
@@ -46,7 +47,7 @@ class KernelTraffic:
 
     @property
     def global_bytes(self):
-        return self.load_bytes + self.async_bytes + self.store_bytes
+        return self.load_bytes + self.async_bytes + self.store_bytes + self.reduce_bytes
 
     @property
     def dram_bytes(self):
@@ -113,6 +114,12 @@ def _operands(plan, operands):
         if not isinstance(op, Operand) or op.shape != ops[name].shape:
             raise ValueError(f"operands[{name!r}] must be a sim.hardware.Operand of shape {ops[name].shape}")
         ops[name] = op
+    # deterministic=False's float32 dQ, which numbaflash allocates: (batch, nheads, rows rounded up to a streamed
+    # tile, padded head dim), seen in the kernels' axis order (batch, rows, heads, columns)
+    rows = -(-plan.seqlen_q // plan.block_n) * plan.block_n
+    acc = Operand.contiguous((plan.batch, plan.nheads, rows, plan.headdim_padded), 4)
+    ops["dq_acc"] = Operand(acc.shape[:1] + (rows, plan.nheads, plan.headdim_padded),
+                            (acc.strides[0], acc.strides[2], acc.strides[1], acc.strides[3]), 4)
     return ops
 
 
@@ -156,10 +163,6 @@ def predict(plan, *, causal=False, window_size=(-1, -1), operands=None, gpu=None
     gpu = Gpu.current() if gpu is None else gpu
     if not isinstance(gpu, Gpu):
         raise TypeError(f"gpu must be None or a sim.hardware.Gpu; got {type(gpu).__name__}")
-    unmodelled = [launch.kernel for launch in plan.launches if launch.kernel not in WALKS]
-    if unmodelled:
-        raise ValueError(f"sim.hardware does not model {', '.join(unmodelled)} (the atomic dQ of deterministic=False) "
-                         "yet; a deterministic plan's launches it walks")
     ops = _operands(plan, operands)
     forward_vec = _vector_staging(plan, ops, ("q", "k", "v"))
     backward_vec = _vector_staging(plan, ops, ("q", "k", "v", "dout"))
@@ -169,7 +172,9 @@ def predict(plan, *, causal=False, window_size=(-1, -1), operands=None, gpu=None
         "forward": lambda ledger: kernels.forward_blocks(forward, ledger),
         "simt_backward_preprocess": lambda ledger: kernels.preprocess_blocks(plan, ops, PREPROCESS_ROWS, ledger),
         "dkdv": lambda ledger: kernels.dkdv_blocks(backward, ledger),
+        "dkdvdq": lambda ledger: kernels.dkdv_blocks(backward, ledger, accumulate_dq=True),
         "dq": lambda ledger: kernels.dq_blocks(backward, ledger),
+        "dq_postprocess": lambda ledger: kernels.dq_postprocess_blocks(plan, ops, PREPROCESS_ROWS, ledger),
     }
     results = []
     for launch in plan.launches:
@@ -178,7 +183,8 @@ def predict(plan, *, causal=False, window_size=(-1, -1), operands=None, gpu=None
         resident = gpu.sm_count * _blocks_per_sm(launch, gpu)
         read, written = l2.dram_bytes(ledger.blocks, resident, gpu.l2_bytes)
         r = ledger.requested
-        results.append(KernelTraffic(launch.kernel, r["load"], r["copy"], r["tma"], r["store"], read, written, resident))
+        results.append(KernelTraffic(launch.kernel, r["load"], r["copy"], r["tma"], r["store"], read, written, resident,
+                                     r["reduce"]))
     flops = 4 * plan.headdim * plan.batch * plan.nheads * visible_scores(plan.seqlen_q, plan.seqlen_k, left, right)
     compute = ("tensor" if isinstance(plan.tiles, (MmaTiles, WgmmaTiles)) else
                "float64" if plan.dtype == "float64" else "float32")
@@ -191,6 +197,7 @@ WALKS = {"simt_forward": "forward", "mma_forward": "forward", "wgmma_forward": "
          "simt_backward_preprocess": "simt_backward_preprocess",
          "simt_backward_dkdv": "dkdv", "mma_backward_dkdv": "dkdv", "wgmma_backward_dkdv": "dkdv",
          "wgmma_tma_backward_dkdv": "dkdv",
-         "simt_backward_dq": "dq", "mma_backward_dq": "dq", "wgmma_backward_dq": "dq", "wgmma_tma_backward_dq": "dq"}
+         "simt_backward_dq": "dq", "mma_backward_dq": "dq", "wgmma_backward_dq": "dq", "wgmma_tma_backward_dq": "dq",
+         "wgmma_tma_backward_dkdvdq": "dkdvdq", "backward_dq_postprocess": "dq_postprocess"}
 
 __all__ = ["Gpu", "H100", "HardwarePrediction", "KernelTraffic", "Operand", "predict", "tile_visits", "visible_scores"]

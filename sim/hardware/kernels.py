@@ -19,13 +19,15 @@ from numbaflash.kernels.wgmma.ws_backward import STATS_THREADS
 from . import patterns
 from .sectors import LINE, box_bytes, copy_sectors, sectors, unique_bytes
 
-KINDS = ("load", "copy", "tma", "store")
+KINDS = ("load", "copy", "tma", "store", "reduce")
 
 
 @dataclass
 class Ledger:
     """Bytes one kernel requests by kind (sectors x 32; bulk tensor copies in the bytes the TMA unit
-    delivers) and, per thread block in launch order, the tiles it touches: ``(tile, distinct bytes, written)``."""
+    delivers) and, per thread block in launch order, the tiles it touches: ``(tile, distinct bytes, written)``.
+    A reduction (``red.global.add``, done in L2) touches its tile twice: a read, from DRAM unless L2 holds
+    it, and a write that leaves it dirty."""
 
     requested: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     blocks: list = field(default_factory=list)
@@ -42,7 +44,9 @@ class Ledger:
         requested, distinct = self._costs[key]
         self.requested[kind] += requested
         if distinct:
-            self.blocks[-1].append((tile, distinct, kind == "store"))
+            if kind == "reduce":
+                self.blocks[-1].append((tile, distinct, False))
+            self.blocks[-1].append((tile, distinct, kind in ("store", "reduce")))
 
 
 def _load(op, addresses, size):
@@ -259,9 +263,10 @@ def preprocess_blocks(plan, ops, rows_per_block, ledger):
                 ledger.charge("store", ("delta", b, h, row0), key, _load(delta, addresses, delta.itemsize))
 
 
-def dkdv_blocks(walk, ledger):
+def dkdv_blocks(walk, ledger, accumulate_dq=False):
     """The dK/dV kernels: K and V of a key block once; Q, dO, LSE and D of every query tile that sees it,
-    for every head of the GQA group (the CUDA-core kernel stages Q and dO twice, k-major then row-major)."""
+    for every head of the GQA group (the CUDA-core kernel stages Q and dO twice, k-major then row-major);
+    with ``accumulate_dq`` (v5's ``dkdv_dq``) also each query tile's dS K added to ``dq_acc``."""
     t, ops = walk.plan.tiles, walk.ops
     seqlen_q, seqlen_k = walk.seqlens
     bk, bq = t.block_m, t.block_n
@@ -288,8 +293,44 @@ def dkdv_blocks(walk, ledger):
                                 walk.stager.stage(ledger, "q", ops["q"], b, h, q_start, bq)
                                 walk.stager.stage(ledger, "dout", ops["dout"], b, h, q_start, bq)
                             _statistics(ledger, ops, b, h, q_start, bq, "dkdv", rows_of)
+                            if accumulate_dq:
+                                _reduce_dq(ledger, ops["dq_acc"], b, h, q_start, bq)
                 walk.outputs(ledger, "dk", None, b, hk, key_start)
                 walk.outputs(ledger, "dv", None, b, hk, key_start)
+
+
+def _reduce_dq(ledger, dq_acc, b, h, q0, rows):
+    """`wgmma.ws_backward.dq_accumulator`: ``rows`` query rows x every 64-column chunk of the padded head dim of
+    float32 ``dq_acc``, added with ``red.global.add.v2.f32`` (lane 4 g + t: row g (+ 8), columns 8 j + 2 t, + 1);
+    the rows are padded, so every tile adds whole rows."""
+    key = ("reduce", rows, dq_acc.address(b, q0, h, 0) % LINE)
+
+    def make():
+        g, t = np.arange(32) // 4, np.arange(32) % 4
+        row = q0 + np.arange(0, rows, 16)[:, None, None, None] + g + 8 * np.arange(2)[None, None, :, None]
+        col = (np.arange(0, dq_acc.shape[3], 8)[None, :, None, None] + 2 * t).astype(np.int64)
+        addresses = dq_acc.at(b, row, h, col).reshape(-1, 32)
+        return _load(dq_acc, addresses, 8)()
+
+    ledger.charge("reduce", ("dq_acc", b, h, q0), key, make)
+
+
+def dq_postprocess_blocks(plan, ops, rows_per_block, ledger):
+    """dQ = scale dq_acc, rounded (`simt.backward.build_dq_postprocess`): one warp per row reads the row's head
+    dim of dq_acc one element per lane and writes it to dQ."""
+    slots = 32 * -(-plan.headdim // 32)
+    seqlen_q = ops["dq"].seqlen
+    for b in range(plan.batch):
+        for h in range(plan.nheads):
+            for row0 in range(0, seqlen_q, rows_per_block):
+                ledger.start_block()
+                for name, kind in (("dq_acc", "load"), ("dq", "store")):
+                    op = ops[name]
+                    rows = min(rows_per_block, seqlen_q - row0)
+                    key = ("postprocess", name, rows, *_rows_key(op, b, h, row0, rows_per_block))
+                    addresses = (patterns.staged_rows(op, b, h, row0, rows, plan.headdim, 1, slots)[0]
+                                 if key not in ledger._costs else None)
+                    ledger.charge(kind, (name, b, h, row0), key, _load(op, addresses, op.itemsize))
 
 
 def dq_blocks(walk, ledger):
