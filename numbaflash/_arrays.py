@@ -6,6 +6,7 @@ memory with its strides, zero-copy (`numbaflash.kernels.compiled` passes it); ou
 the same library as ``q`` on the same device, and kernels run on that library's current stream.
 """
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,17 +62,9 @@ class Stream:
         return (0, self.handle)
 
 
+@functools.lru_cache(maxsize=None)  # asked for every operand of every call
 def _dtype_name(dtype):
     return str(dtype).replace("torch.", "")
-
-
-_TORCH_DTYPE_NAMES = {}  # a torch dtype's name, asked on every call
-
-
-def _torch_dtype_name(dtype):
-    if dtype not in _TORCH_DTYPE_NAMES:
-        _TORCH_DTYPE_NAMES[dtype] = _dtype_name(dtype)
-    return _TORCH_DTYPE_NAMES[dtype]
 
 
 def is_device_array(x):
@@ -93,7 +86,7 @@ def describe(x, name):
         if not x.is_cuda:
             raise TypeError(f"{name} is a torch tensor on {x.device}: numbaflash runs on CUDA tensors")
         itemsize = x.element_size()
-        return Operand(x, "torch", tuple(x.shape), tuple(s * itemsize for s in x.stride()), _torch_dtype_name(x.dtype),
+        return Operand(x, "torch", tuple(x.shape), tuple(s * itemsize for s in x.stride()), _dtype_name(x.dtype),
                        x.get_device(), x.data_ptr())
     if module == "cupy":
         return Operand(x, "cupy", x.shape, x.strides, _dtype_name(x.dtype), x.device.id, x.data.ptr)

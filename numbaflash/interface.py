@@ -395,9 +395,7 @@ def run_backward(call, plan, dout, lse, out, delta, dq, dk, dv, preprocess=None)
         dq_pass_mods = (call.block_mask.key_tiles(plan.block_m, plan.block_n, call.left, call.right, q),
                         ) + call.mod_values
     if plan.dq_strategy == "atomic":
-        rows = -(-call.seqlen_q // plan.block_n) * plan.block_n  # every streamed tile adds whole rows
-        dq_acc = _arrays.describe(_arrays.zeros(q, (call.batch, call.nheads, rows, plan.headdim_padded), "float32"),
-                                  "dq_acc")
+        dq_acc = _arrays.describe(_arrays.zeros(q, plan.dq_acc_shape, "float32"), "dq_acc")
         _launch(plan, 1, stream, call.mods, q, k, v, dout, lse, delta, dk, dv, dq_acc, *extra, *maps[0],
                 key_pass_mods)
         _launch(plan, 2, stream, NONE, dq_acc, dq, np.float32(call.softmax_scale))

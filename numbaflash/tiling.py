@@ -364,6 +364,12 @@ class Plan:
     def dtype_bytes(self):
         return DTYPE_BYTES[self.dtype]
 
+    @property
+    def dq_acc_shape(self):
+        """The float32 dQ of an atomic plan: (batch, nheads, query rows rounded up to a streamed tile, padded head
+        dim); every streamed tile adds whole rows."""
+        return (self.batch, self.nheads, -(-self.seqlen_q // self.block_n) * self.block_n, self.headdim_padded)
+
     def describe(self):
         t = self.tiles
         padded = f" padded to {self.headdim_padded}" if self.headdim_padded != self.headdim else ""

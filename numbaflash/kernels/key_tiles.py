@@ -4,7 +4,7 @@
 ``mod`` argument (`kernels.mods`), the block's batch element, head, first row and visible key range
 ``[lo, hi)`` (from `blocks.query_block`):
 
-* ``count(mod, b, h, row_start, lo, hi)``: how many tiles the block visits (0 or less: none);
+* ``count(mod, b, h, row_start, lo, hi)``: how many tiles the block visits (0: none);
 * ``start(mod, b, h, row_start, n_base, it)``: the first key of the ``it``-th (``n_base``: the first key of
   the first tile without a block mask, ``(lo // BLOCK_N) * BLOCK_N``);
 * ``full(mod, b, h, row_start, it)``: whether the block mask found ``mask_mod`` true on all of it (so the
@@ -54,7 +54,7 @@ def key_tiles(mods, BLOCK_M, BLOCK_N):
     else:
         @device_function
         def count(mod, b, h, row_start, lo, hi):
-            return (hi - (lo // BLOCK_N) * BLOCK_N + BLOCK_N - 1) // BLOCK_N
+            return (hi - (lo // BLOCK_N) * BLOCK_N + BLOCK_N - 1) // BLOCK_N if lo < hi else 0
 
         @device_function
         def start(mod, b, h, row_start, n_base, it):

@@ -114,12 +114,10 @@ def _operands(plan, operands):
         if not isinstance(op, Operand) or op.shape != ops[name].shape:
             raise ValueError(f"operands[{name!r}] must be a sim.hardware.Operand of shape {ops[name].shape}")
         ops[name] = op
-    # deterministic=False's float32 dQ, which numbaflash allocates: (batch, nheads, rows rounded up to a streamed
-    # tile, padded head dim), seen in the kernels' axis order (batch, rows, heads, columns)
-    rows = -(-plan.seqlen_q // plan.block_n) * plan.block_n
-    acc = Operand.contiguous((plan.batch, plan.nheads, rows, plan.headdim_padded), 4)
-    ops["dq_acc"] = Operand(acc.shape[:1] + (rows, plan.nheads, plan.headdim_padded),
-                            (acc.strides[0], acc.strides[2], acc.strides[1], acc.strides[3]), 4)
+    # deterministic=False's float32 dQ, which numbaflash allocates (`Plan.dq_acc_shape`), seen in the kernels'
+    # axis order (batch, rows, heads, columns)
+    acc = Operand.contiguous(plan.dq_acc_shape, 4)
+    ops["dq_acc"] = Operand(tuple(acc.shape[i] for i in (0, 2, 1, 3)), tuple(acc.strides[i] for i in (0, 2, 1, 3)), 4)
     return ops
 
 

@@ -301,7 +301,7 @@ def build_dq(D, tiles, storage, mods=NONE):
         tile = cuda.local.array((TM, TD), ACC)  # one key tile's dS K: a two-level sum
         fill(dq_acc, TM, TD, ZERO)
         n_base = (lo // BLOCK_N) * BLOCK_N  # without a block mask, the first tile's first key
-        ntiles = tile_count(mod, b, h, row_start, lo, hi) if lo < hi else 0
+        ntiles = tile_count(mod, b, h, row_start, lo, hi)
         if ntiles > 0:  # block-uniform: these rows see no key otherwise, and dQ = 0
             smem = cuda.shared.array(0, ACC)
             q_t = smem[Q_AT:DO_AT]  # (D, LDQ): Q^T, pre-scaled

@@ -262,7 +262,7 @@ def build_dq(D, tiles, storage, mods=NONE):
         warp_row = row_start + wg * 64 + warp * 16
 
         n_base = (lo // BLOCK_N) * BLOCK_N  # without a block mask, the first tile's first key
-        ntiles = tile_count(mod, b, h, row_start, lo, hi) if lo < hi else 0
+        ntiles = tile_count(mod, b, h, row_start, lo, hi)
         if ntiles > 0:  # block-uniform: these rows see no key otherwise, and dQ = 0
             smem = cuda.shared.array(0, types.uint16)
             base = aligned_base(smem)

@@ -340,7 +340,7 @@ def build_dq(D, tiles, storage, mods=NONE):
         b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
         tid = cuda.threadIdx.x
         n_base = (lo // BLOCK_N) * BLOCK_N  # without a block mask, the first tile's first key
-        ntiles = tile_count(mod, b, h, row_start, lo, hi) if lo < hi else 0  # none: these rows see no key, dQ = 0
+        ntiles = tile_count(mod, b, h, row_start, lo, hi)  # 0: these rows see no key, dQ = 0
 
         smem = cuda.shared.array(0, types.uint16)
         base = aligned_base(smem)
