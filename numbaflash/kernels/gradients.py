@@ -44,43 +44,32 @@ def guarded(mods):
 
 def transposed_steps(M, NT, mods=NONE):
     """``(probabilities, ds)`` for transposed tiles of ``M`` m-tiles of 16 keys and ``8 NT`` query columns."""
-    M_ROWS = 2 * M
-    modifier = modifiers(mods, types.float32, fast=True)
-    MODIFIED, logit2, visible = modifier.modified, modifier.logit2, modifier.visible
+    MODIFIED = modifiers(mods, types.float32, fast=True).modified
     GUARDED = guarded(mods)
+    checked, unchecked = (_transposed_probabilities(M, NT, mods, tested) for tested in (True, False))
 
     @device_function
     def probabilities(s, dlogit, stats, lse_at, q_start, c0, warp_key, key_start, key_end, g, t, seqlen_q, seqlen_k,
                       left, right, scale_log2, b, h, bh, block_full):
-        full = masks.tile_is_full(q_start + c0, min(q_start + c0 + 8 * NT, seqlen_q), key_start, key_end, seqlen_q,
-                                  seqlen_k, left, right)
-        # ALiBi's distance of the lane's first query and its row-g key of the warp's first m-tile
-        distance = types.float32(q_start + c0 + 2 * t + seqlen_k - seqlen_q - warp_key - g)
-        for j in range(NT):
-            for e in range(2):
-                col = c0 + 8 * j + 2 * t + e
-                row = q_start + col
-                lo_q, hi_q = 0, seqlen_k  # a full tile: every key visible, no bounds to compute
-                if not full:
-                    lo_q, hi_q = masks.key_range(row, seqlen_q, seqlen_k, left, right)
-                for r in range(M_ROWS):
-                    mi, half = r // 2, r % 2
-                    key = warp_key + lane_row(r, g)
-                    p, grad = ZERO, ZERO
-                    if key >= lo_q and key < hi_q and (not GUARDED or (row < seqlen_q and (
-                            block_full or visible(b, h, row, key, bh)))):
-                        x, grad = logit2(s[mi * NT + j, 2 * half + e] * scale_log2, b, h, row, key,
-                                         abs(distance + types.float32(8 * j + e - lane_row(r, 0))), bh)
-                        p = ex2(x - stats[lse_at + col])
-                    s[mi * NT + j, 2 * half + e] = p
-                    if MODIFIED:
-                        dlogit[mi * NT + j, 2 * half + e] = grad
+        q_end = q_start + c0 + 8 * NT
+        full = masks.tile_is_full(q_start + c0, min(q_end, seqlen_q), key_start, key_end, seqlen_q, seqlen_k, left,
+                                  right)
+        # A tile the mask shows whole, whose indices the user's functions (if any) may all see, pays no test per
+        # score: at headdim 64 the tests were most of the dK/dV kernel's instructions (ncu, H100: ALU the busiest
+        # pipe at 40%, 2.4x the dQ kernel's instructions for a third more products).
+        if full and (not GUARDED or (block_full and q_end <= seqlen_q)):
+            unchecked(s, dlogit, stats, lse_at, q_start, c0, warp_key, full, g, t, seqlen_q, seqlen_k, left, right,
+                      scale_log2, b, h, bh, block_full)
+        else:
+            checked(s, dlogit, stats, lse_at, q_start, c0, warp_key, full, g, t, seqlen_q, seqlen_k, left, right,
+                    scale_log2, b, h, bh, block_full)
 
     @device_function
     def ds(s, dp, dlogit, stats, delta_at, t):
+        delta_lane = stats[delta_at + 2 * t:]  # as the LSE in `probabilities`
         for j in range(NT):
             for e in range(2):
-                dsum = stats[delta_at + 8 * j + 2 * t + e]
+                dsum = delta_lane[8 * j + e]
                 for mi in range(M):
                     for half in range(2):
                         x = mi * NT + j
@@ -91,13 +80,53 @@ def transposed_steps(M, NT, mods=NONE):
     return probabilities, ds
 
 
+def _transposed_probabilities(M, NT, mods, TESTED):
+    """`transposed_steps`' P^T loop; ``TESTED``: each score passes the causal/window range (unless ``full``) and
+    the user's checks, else every score is taken as visible."""
+    M_ROWS = 2 * M
+    modifier = modifiers(mods, types.float32, fast=True)
+    MODIFIED, logit2, visible = modifier.modified, modifier.logit2, modifier.visible
+    GUARDED = guarded(mods)
+
+    @device_function
+    def loop(s, dlogit, stats, lse_at, q_start, c0, warp_key, full, g, t, seqlen_q, seqlen_k, left, right, scale_log2,
+             b, h, bh, block_full):
+        # ALiBi's distance of the lane's first query and its row-g key of the warp's first m-tile
+        distance = types.float32(q_start + c0 + 2 * t + seqlen_k - seqlen_q - warp_key - g)
+        # Untested tiles read the LSE at an unsigned index: a signed one pays Numba's negative-index wraparound
+        # per load (six integer instructions). Tested ones keep the signed index: there the unsigned one (or a
+        # view of `stats` from the lane's column) kept 12 bytes in local memory at headdim 128 (ptxas 13.0).
+        lse_lane = types.uint64(lse_at + c0 + 2 * t)
+        for j in range(NT):
+            for e in range(2):
+                col = c0 + 8 * j + 2 * t + e
+                row = q_start + col
+                lse2 = stats[lse_at + col] if TESTED else stats[lse_lane + types.uint64(8 * j + e)]
+                lo_q, hi_q = 0, seqlen_k  # a full tile: every key visible, no bounds to compute
+                if TESTED and not full:
+                    lo_q, hi_q = masks.key_range(row, seqlen_q, seqlen_k, left, right)
+                for r in range(M_ROWS):
+                    mi, half = r // 2, r % 2
+                    key = warp_key + lane_row(r, g)
+                    p, grad = ZERO, ZERO
+                    if not TESTED or (key >= lo_q and key < hi_q and (not GUARDED or (row < seqlen_q and (
+                            block_full or visible(b, h, row, key, bh))))):
+                        x, grad = logit2(s[mi * NT + j, 2 * half + e] * scale_log2, b, h, row, key,
+                                         abs(distance + types.float32(8 * j + e - lane_row(r, 0))), bh)
+                        p = ex2(x - lse2)
+                    s[mi * NT + j, 2 * half + e] = p
+                    if MODIFIED:
+                        dlogit[mi * NT + j, 2 * half + e] = grad
+
+    return loop
+
+
 def row_steps(M, NT, mods=NONE):
     """``(rows, ds)`` for row tiles of ``M`` m-tiles of 16 query rows and ``8 NT`` key columns."""
     M_ROWS = 2 * M
-    modifier = modifiers(mods, types.float32, fast=True)
-    logit2, visible = modifier.logit2, modifier.visible
     GUARDED = guarded(mods)
     statistics = row_statistics(types.float32)
+    checked, unchecked = (_row_ds(M, NT, mods, tested) for tested in (True, False))
 
     @device_function
     def rows(lse2, dsum, lo_r, hi_r, lse, delta, b, h, warp_row, g, seqlen_q, seqlen_k, left, right):
@@ -110,6 +139,28 @@ def row_steps(M, NT, mods=NONE):
     @device_function
     def ds(s, dp, lse2, dsum, lo_r, hi_r, full, warp_row, n_start, g, t, seqlen_q, seqlen_k, scale_log2, b, h, bh,
            block_full):
+        # As `transposed_steps`' probabilities: no test per score on a whole tile the user's functions may see.
+        if full and (not GUARDED or (block_full and warp_row + 16 * M <= seqlen_q)):
+            unchecked(s, dp, lse2, dsum, lo_r, hi_r, warp_row, n_start, g, t, seqlen_q, seqlen_k, scale_log2, b, h, bh,
+                      block_full)
+        else:
+            checked(s, dp, lse2, dsum, lo_r, hi_r, warp_row, n_start, g, t, seqlen_q, seqlen_k, scale_log2, b, h, bh,
+                    block_full)
+
+    return rows, ds
+
+
+def _row_ds(M, NT, mods, TESTED):
+    """`row_steps`' dS loop; ``TESTED``: each score passes its row's key range and the user's checks, else every
+    score is taken as visible."""
+    M_ROWS = 2 * M
+    modifier = modifiers(mods, types.float32, fast=True)
+    logit2, visible = modifier.logit2, modifier.visible
+    GUARDED = guarded(mods)
+
+    @device_function
+    def loop(s, dp, lse2, dsum, lo_r, hi_r, warp_row, n_start, g, t, seqlen_q, seqlen_k, scale_log2, b, h, bh,
+             block_full):
         for r in range(M_ROWS):
             mi, half = r // 2, r % 2
             row = warp_row + lane_row(r, g)
@@ -119,14 +170,14 @@ def row_steps(M, NT, mods=NONE):
                     key = n_start + 8 * j + 2 * t + e
                     x = mi * NT + j
                     d = ZERO
-                    if (full or (key >= lo_r[r] and key < hi_r[r])) and (not GUARDED or (
-                            row < seqlen_q and (block_full or visible(b, h, row, key, bh)))):
+                    if not TESTED or ((key >= lo_r[r] and key < hi_r[r]) and (not GUARDED or (
+                            row < seqlen_q and (block_full or visible(b, h, row, key, bh))))):
                         x2, grad = logit2(s[x, 2 * half + e] * scale_log2, b, h, row, key,
                                           abs(distance - types.float32(8 * j + e)), bh)
                         d = ex2(x2 - lse2[r]) * (dp[x, 2 * half + e] - dsum[r]) * grad
                     dp[x, 2 * half + e] = d
 
-    return rows, ds
+    return loop
 
 
 def stats_stager(ROWS, THREADS):
