@@ -424,9 +424,10 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
             `attention`; with a ``score_mod``, ``score_mod_grad`` is required. With a block mask both passes
             visit only its non-empty tiles and call its mask_mod on the partial ones, as the forward does.
         deterministic: True (the default): no atomics, repeated calls return bitwise identical gradients.
-            False (flash-attn's meaning) allows a faster backward whose dQ sums in a varying order: on Hopper
-            the wgmma backward (v5) then forms dQ in its dK/dV kernel and adds it with float32 atomics,
-            which saves recomputing S and dP (`explain(..., backward=True, deterministic=False)` says which runs).
+            False (flash-attn's meaning) allows a backward whose dQ sums in a varying order: with v5's tiles
+            asked for (``plan=``), the wgmma backward then forms dQ in its dK/dV kernel and adds it with
+            float32 atomics, which saves recomputing S and dP; a planned call runs the two deterministic
+            passes, which are faster (`explain(..., backward=True, deterministic=False)` says which runs).
 
     Returns:
         ``(dq, dk, dv)`` with the shapes and dtypes of q, k, v. For GQA, dk and dv sum over the query

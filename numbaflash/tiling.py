@@ -243,12 +243,14 @@ WGMMA_BACKWARD_TILES = {64: WgmmaTiles(128, 64, 2, producer=True, tma=True),
                         128: WgmmaTiles(128, 64, 2, producer=True, tma=True)}
 WGMMA_CP_ASYNC_BACKWARD_TILES = {64: WgmmaTiles(64, 64, 1), 128: WgmmaTiles(64, 64, 1)}
 SIMULATOR_WGMMA_BACKWARD_TILES = WgmmaTiles(64, 16, 1, producer=True, tma=True)
-# deterministic=False: v5's dK/dV kernel also forms dQ = dS K from its dS^T, stored in shared memory as rows
-# of this many query columns (one swizzle atom, wgmma's M), and adds it to a float32 dQ with atomics, at the
-# padded head dims below. H100, N = 2048 to 16384, causal and not: at 64 it ran 0.67-0.79x SDPA flash against
-# the two passes' 0.60-0.66x (fp16 and bf16, scripts/bench.py --deterministic no / yes); at 128 0.80-0.88x
-# against 0.85-0.98x (fp16, .bench/atomicbwd.py; its dK/dV kernel spilled 168 bytes, and the consumers wait
-# for each other at every tile).
+# deterministic=False with v5's tiles asked for (``tiles=``): v5's dK/dV kernel also forms dQ = dS K from its
+# dS^T, stored in shared memory as rows of this many query columns (one swizzle atom, wgmma's M), and adds it
+# to a float32 dQ with atomics, at the padded head dims below (at 128 its dK/dV kernel spilled 168 bytes and
+# ran 0.80-0.88x SDPA flash against the two passes' 0.85-0.98x, .bench/atomicbwd.py). A planned call
+# (``tiles=None``) runs the deterministic two passes: since their steps skip the per-score tests on whole tiles
+# they are the faster at 64 too (H100, fp16, N = 2048 to 16384, causal and not, scripts/bench.py
+# --deterministic no / yes: atomic 0.82-1.02x SDPA flash, two passes 0.92-1.19x; before that change the atomic
+# dQ led, 0.67-0.79x against 0.60-0.66x).
 WGMMA_ATOMIC_DQ = 64
 WGMMA_ATOMIC_DQ_HEADDIMS = (64,)
 # Tensor-core backward: square blocks, because `sim` counts one B_r = B_c for both passes (the dK/dV
@@ -425,8 +427,8 @@ def make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, back
     strides, as the bulk tensor copy engine needs (`interface.vector_staging`). ``packed``: a varlen call
     (`numbaflash.varlen`) of ``batch`` sequences, the longest ``seqlen_q`` and ``seqlen_k``, which the
     grid covers. ``modified``: score or mask modifications compile into the kernels (`numbaflash.mods`).
-    ``deterministic``: a backward whose repeats are bitwise identical; False lets the wgmma backward (v5)
-    accumulate dQ with float32 atomics in its dK/dV kernel (`WGMMA_ATOMIC_DQ`)."""
+    ``deterministic``: a backward whose repeats are bitwise identical; False with v5's ``tiles`` runs its dK/dV
+    kernel that accumulates dQ with float32 atomics (`WGMMA_ATOMIC_DQ`), which no plan picks by itself."""
     device = current_device() if device is None else device
     return _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned,
                       packed, modified, deterministic)
@@ -598,12 +600,13 @@ def _wgmma_forward_plan(shape, device, tiles, aligned, packed, modified):
 
 def _wgmma_backward_plan(shape, device, tiles, aligned, packed, deterministic):
     """The wgmma backward's plan: v5 (`WGMMA_BACKWARD_TILES`) where the copy engine reads the operands, else
-    mma.sync's (`explain` says why); v3 or other tiles when asked for. Not ``deterministic``: v5 accumulates
-    dQ in its dK/dV kernel (`WGMMA_ATOMIC_DQ`)."""
+    mma.sync's (`explain` says why); v3 or other tiles when asked for. Not ``deterministic`` with v5's tiles
+    asked for: v5 accumulates dQ in its dK/dV kernel (`WGMMA_ATOMIC_DQ`)."""
     from .kernels.wgmma import backward as wgmma_backward, ws_backward as wgmma_ws_backward
 
     D = next(D for D in WGMMA_HEADDIMS if shape["headdim"] <= D)
-    if tiles is None:
+    planned = tiles is None
+    if planned:
         why = ("packed (varlen) sequences, whose rows the bulk tensor copies' tensor maps do not locate" if packed else
                "q, k, v or dout has a head dim that is not contiguous, not a multiple of 8 or not 16-byte aligned, "
                "which the bulk tensor copy engine cannot read" if not aligned else "")
@@ -620,7 +623,7 @@ def _wgmma_backward_plan(shape, device, tiles, aligned, packed, deterministic):
     if tiles.producer and tiles.warpgroups not in wgmma_ws_backward.REGISTERS:
         raise ValueError(f"the wgmma backward runs 1 or 2 consumer warpgroups beside its producer; got {tiles}")
     check_copy_engine(tiles, aligned)
-    atomic = (not deterministic and tiles.producer and tiles.block_n == WGMMA_ATOMIC_DQ
+    atomic = (not deterministic and not planned and tiles.producer and tiles.block_n == WGMMA_ATOMIC_DQ
               and D in WGMMA_ATOMIC_DQ_HEADDIMS)
     kernels = wgmma_ws_backward if tiles.producer else wgmma_backward
     smem = ((wgmma_ws_backward.smem_bytes_dkdv(D, tiles, True), 0) if atomic else
@@ -634,10 +637,13 @@ def _wgmma_backward_plan(shape, device, tiles, aligned, packed, deterministic):
     if atomic:
         reason += ("; deterministic=False: the dK/dV kernel also adds dS K into a float32 dQ with atomics (5 products "
                    "per tile pair instead of 7; repeats may differ in the last bits of dQ)")
+    elif not deterministic and planned:
+        reason += ("; deterministic=False, but the deterministic two passes run faster than v5's atomic dQ (which "
+                   "runs with v5's tiles asked for): this call runs them")
     elif not deterministic:
         reason += (f"; deterministic=False, but the atomic dQ runs v5's tiles streaming {WGMMA_ATOMIC_DQ} query rows at "
-                   f"head dims padded to {', '.join(map(str, WGMMA_ATOMIC_DQ_HEADDIMS))}, where it is faster: this call "
-                   "runs the deterministic two passes")
+                   f"head dims padded to {', '.join(map(str, WGMMA_ATOMIC_DQ_HEADDIMS))}: this call runs the "
+                   "deterministic two passes")
     return _plan("wgmma_tma_backward" if tiles.producer else "wgmma_backward", reason, shape, device, D, tiles, smem,
                  registers, "atomic" if atomic else "separate")
 

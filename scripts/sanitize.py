@@ -27,6 +27,7 @@ def grid():
     from numbaflash import tiling
 
     rng = np.random.default_rng(0)
+    hopper = cupy.cuda.Device().compute_capability == "90"
     # Odd lengths, GQA, a partial last tile, every mask; few head-dim buckets keep compiles few (each
     # sanitizer tool reruns the process). float16 runs the tensor-core kernels both ways (on Hopper the
     # wgmma forward at head dims 40 and 64, the mma.sync forward at 24), float32 the CUDA-core kernels
@@ -40,9 +41,10 @@ def grid():
                                  ((b, nq, h, d), (b, nk, hk, d), (b, nk, hk, d), (b, nq, h, d)))
                 out, lse = numbaflash.attention(q, k, v, return_lse=True, **mask)
                 numbaflash.attention_backward(dout, q, k, v, out, lse, **mask)
-                if dtype == "float16":  # on Hopper at head dims 40 and 64: the atomic dQ (red.global.add)
-                    numbaflash.attention_backward(dout, q, k, v, out, lse, deterministic=False, **mask)
-                if dtype == "float16" and d == 64 and cupy.cuda.Device().compute_capability == "90":
+                if dtype == "float16" and hopper:  # at head dims 40 and 64: the atomic dQ (red.global.add)
+                    numbaflash.attention_backward(dout, q, k, v, out, lse, deterministic=False, plan=atomic_plan(q, k),
+                                                  **mask)
+                if dtype == "float16" and d == 64 and hopper:
                     # The two ping-pong consumers that modified calls run at headdim 64, and headdim 256's v5.
                     plan = tiling.make_plan(b, h, hk, nq, nk, d, dtype, tiles=tiling.WGMMA_MODIFIED_TILES[64])
                     numbaflash.attention(q, k, v, plan=plan, **mask)
@@ -60,8 +62,9 @@ def grid():
                                                               mod_args=(doc_q, doc_k, temperature)))
         out, lse = numbaflash.attention(q, k, v, return_lse=True, **modifications)
         numbaflash.attention_backward(dout, q, k, v, out, lse, **modifications)  # both passes' tile tables
-        if dtype == "float16":  # on Hopper the atomic dQ's key pass, with its table
-            numbaflash.attention_backward(dout, q, k, v, out, lse, deterministic=False, **modifications)
+        if dtype == "float16" and hopper:  # the atomic dQ's key pass, with its table
+            numbaflash.attention_backward(dout, q, k, v, out, lse, deterministic=False, plan=atomic_plan(q, k),
+                                          **modifications)
         # Packed sequences (varlen), causal, head dims 40 and 64 (on Hopper the wgmma v3 forward, which
         # varlen runs at 64 too): one with no queries, one with no keys, one shorter than a tile; a block
         # reads and writes its own sequence's rows only.
@@ -74,6 +77,15 @@ def grid():
             out, lse = numbaflash.attention_varlen(q, k, v, *lengths, causal=True, return_lse=True)
             numbaflash.attention_varlen_backward(dout, q, k, v, out, lse, *lengths, causal=True)
     cupy.cuda.Device().synchronize()
+
+
+def atomic_plan(q, k):
+    """deterministic=False's atomic dQ, which runs with v5's tiles asked for (no plan picks it by itself)."""
+    from numbaflash import tiling
+
+    (b, nq, h, d), (_, nk, hk, _) = q.shape, k.shape
+    return tiling.make_plan(b, h, hk, nq, nk, d, str(q.dtype), backward=True, deterministic=False,
+                            tiles=tiling.WGMMA_BACKWARD_TILES[64])
 
 
 def same_document(b, h, q_idx, kv_idx, doc_q, doc_k, temperature):

@@ -72,16 +72,21 @@ def test_atomic_dq_backward_matches_reference(arrays, poisoned):
 
 
 def test_deterministic_false_plans_and_refusals(arrays):
-    """The atomic dQ where it is faster (v5 at head dims padded to 64); the two passes elsewhere, and why; a plan
-    with atomics refused to a deterministic call; deterministic must be a bool."""
+    """The atomic dQ with v5's tiles asked for at head dims padded to 64; the two passes elsewhere, and in every
+    planned call (faster), and why; a plan with atomics refused to a deterministic call; deterministic must be a
+    bool."""
     shape = (2, 4, 2, 300, 200)
-    fast = tiling.make_plan(*shape, 64, "float16", backward=True, device=HOPPER, deterministic=False)
-    assert fast.dq_strategy == "atomic" and fast.launches[1].grid == (2, 2, 2)  # 128 keys a block, one pass
-    for headdim, dtype in ((128, "float16"), (64, "float32")):
-        plan = tiling.make_plan(*shape, headdim, dtype, backward=True, device=HOPPER, deterministic=False)
+    atomic = tiling.make_plan(*shape, 64, "float16", backward=True, device=HOPPER, deterministic=False,
+                              tiles=tiling.WGMMA_BACKWARD_TILES[64])
+    assert atomic.dq_strategy == "atomic" and atomic.launches[1].grid == (2, 2, 2)  # 128 keys a block, one pass
+    for headdim, dtype, tiles in ((64, "float16", None), (128, "float16", None), (64, "float32", None),
+                                  (128, "bfloat16", tiling.WGMMA_BACKWARD_TILES[128])):
+        plan = tiling.make_plan(*shape, headdim, dtype, backward=True, device=HOPPER, deterministic=False, tiles=tiles)
         assert plan.dq_strategy == "separate" and len(plan.launches) == 3 and "deterministic=False" in plan.reason
-    assert "deterministic=False, but" in tiling.make_plan(*shape, 128, "bfloat16", backward=True, device=HOPPER,
-                                                          deterministic=False).reason
+    assert "run faster" in tiling.make_plan(*shape, 64, "float16", backward=True, device=HOPPER,
+                                            deterministic=False).reason
+    assert "atomic dQ runs v5's tiles" in tiling.make_plan(*shape, 128, "bfloat16", backward=True, device=HOPPER,
+                                                           deterministic=False, tiles=tiling.WGMMA_BACKWARD_TILES[128]).reason
     case = Case(1, 20, 20, 1, 1, 64, "float16", seed=3)
     to_device, _ = arrays
     q, k, v, dout = (to_device(x) for x in inputs(case, extra=[(1, 20, 1, 64)]))
@@ -102,7 +107,8 @@ def test_sim_counts_the_atomic_dq_schedule(causal):
     dQ_acc (zeroed, read and written per visible tile, read once more by the rounding pass), as its closed form
     says; against the two passes, Q is read half as often and dQ_acc takes the place of the dQ pass. sim.hardware
     walks its kernels: the two passes' dK/dV kernel's accesses and the reductions, then the rounding pass."""
-    plan = tiling.make_plan(1, 2, 1, 300, 250, 64, "float16", backward=True, device=HOPPER, deterministic=False)
+    plan = tiling.make_plan(1, 2, 1, 300, 250, 64, "float16", backward=True, device=HOPPER, deterministic=False,
+                            tiles=tiling.WGMMA_BACKWARD_TILES[64])
     sizes = dict(seqlen_k=250, nheads=2, nheads_kv=1, causal=causal, backward=True)
     counted = sim.count_io(300, 64, plan=plan, **sizes)
     assert counted.matches_prediction and counted.max_rel_error < 1e-10 and counted.dq == "atomic"

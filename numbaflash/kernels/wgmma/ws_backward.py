@@ -20,10 +20,10 @@ dS on the CUDA cores the tensor cores run the other's products.
   both operands MN-major) and add it to a float32 dQ with atomics (`dq_accumulator`); a row-by-row pass
   then rounds dQ (`simt.backward.build_dq_postprocess`). Five products per tile pair instead of seven.
 
-On the H100 (fp16 and bf16, N = 2048 to 16384, causal and not; scripts/bench.py) it ran 0.81-0.98x SDPA
-flash's backward at headdim 128 and 0.58-0.75x at 64, against mma.sync's 0.51-0.63x; with the atomic dQ
-0.67-0.79x at 64 (at 128 it is slower, and `tiling.WGMMA_ATOMIC_DQ_HEADDIMS` leaves it out); `tiling`
-keeps the tile comparison.
+On the H100 (fp16 and bf16, N = 2048 to 16384, causal and not; scripts/bench.py) the two passes ran
+1.22-1.51x SDPA flash's backward at headdim 128 and 0.89-1.19x at 64, against mma.sync's 0.51-0.63x
+before the steps skipped their per-score tests on whole tiles; the atomic dQ 0.82-1.02x at 64 (fp16), so
+no plan picks it by itself (`tiling.WGMMA_ATOMIC_DQ_HEADDIMS`); `tiling` keeps the tile comparison.
 """
 
 from numba import cuda, types
