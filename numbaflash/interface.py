@@ -293,9 +293,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         mask_mod=mask_mod, mod_args=mod_args, block_mask=block_mask))
     with _device_context(call):
         plan = _check_plan(plan, call, "forward") if plan is not None else _plan_for(call, backward=False)
-        out = _arrays.empty(call.q, (call.batch, call.seqlen_q, call.nheads, call.headdim), call.dtype)
-        lse = _arrays.empty(call.q, (call.batch, call.nheads, call.seqlen_q), call.lse_dtype)
-        run_forward(call, plan, _arrays.describe(out, "out"), _arrays.describe(lse, "lse"))
+        out = _arrays.output(call.q, (call.batch, call.seqlen_q, call.nheads, call.headdim), call.dtype, "out")
+        lse = _arrays.output(call.q, (call.batch, call.nheads, call.seqlen_q), call.lse_dtype, "lse")
+        run_forward(call, plan, out, lse)
+    out, lse = out.obj, lse.obj
     if call.single_head:
         out, lse = out[0, :, 0, :], lse[0, 0, :]
     return (out, lse) if return_lse else out
@@ -460,12 +461,11 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         if deterministic and plan.dq_strategy == "atomic":
             raise ValueError("plan accumulates dQ with atomics (made with deterministic=False); pass "
                              "deterministic=False with it, or a deterministic plan")
-        dq = _arrays.empty(call.q, call.q.shape, call.dtype)
-        dk = _arrays.empty(call.q, call.k.shape, call.dtype)
-        dv = _arrays.empty(call.q, call.v.shape, call.dtype)
-        delta = _arrays.empty(call.q, want_lse, call.lse_dtype)
-        grads = [_arrays.describe(x, n) for x, n in ((dq, "dq"), (dk, "dk"), (dv, "dv"))]
-        run_backward(call, plan, ops[0], lse_op, ops[1], _arrays.describe(delta, "delta"), *grads)
+        grads = [_arrays.output(call.q, x.shape, call.dtype, n)
+                 for x, n in ((call.q, "dq"), (call.k, "dk"), (call.v, "dv"))]
+        delta = _arrays.output(call.q, want_lse, call.lse_dtype, "delta")
+        run_backward(call, plan, ops[0], lse_op, ops[1], delta, *grads)
+    dq, dk, dv = (g.obj for g in grads)
     if call.single_head:
         return dq[0, :, 0, :], dk[0, :, 0, :], dv[0, :, 0, :]
     return dq, dk, dv

@@ -106,11 +106,12 @@ def same_document_causal(b, h, q_idx, kv_idx, docs):
 def schedule_options(schedule, n):
     """count_io's arguments for ``schedule``, and the blocks of each pass as ``(query rows, keys)``: the forward
     and the paper's backward on given blocks; the H100 backward plans, whose passes own 128 keys (then rows)
-    and stream 64, two passes or one with the atomic dQ."""
+    and stream 64, two passes or one with the atomic dQ (which runs with v5's tiles asked for)."""
     if schedule in ("forward", "accumulate"):
         return dict(sram_bytes=2**16, block_sizes=(32, 32), backward=schedule != "forward"), [(32, 32)]
     plan = numbaflash.tiling.make_plan(2, 4, 2, n, n, 64, "float16", backward=True, device=HOPPER,
-                                       deterministic=schedule == "separate")
+                                       deterministic=schedule == "separate",
+                                       tiles=numbaflash.tiling.WGMMA_BACKWARD_TILES[64])
     assert plan.dq_strategy == schedule and (plan.block_m, plan.block_n) == (128, 64)
     return dict(plan=plan, backward=True), [(64, 128)] + ([(128, 64)] if schedule == "separate" else [])
 

@@ -44,9 +44,28 @@ def guarded(mods):
 
 def transposed_steps(M, NT, mods=NONE):
     """``(probabilities, ds)`` for transposed tiles of ``M`` m-tiles of 16 keys and ``8 NT`` query columns."""
-    MODIFIED = modifiers(mods, types.float32, fast=True).modified
+    M_ROWS = 2 * M
+    modifier = modifiers(mods, types.float32, fast=True)
+    MODIFIED, MASKED = modifier.modified, modifier.masked
     GUARDED = guarded(mods)
+    # softcap and ALiBi without the user's functions form every score and drop the hidden ones after, as the
+    # forward does: one loop with a branch around their arithmetic stayed rolled, S^T and dlogit in local
+    # memory (256 bytes at headdim 64, ptxas 13.0) and a wgmma wait injected (C7517). The plain scores keep
+    # the branch (forming them all spilled 16 bytes at headdim 128), the user's functions must (they see
+    # visible indices only).
+    FORM_ALL = MODIFIED and not GUARDED
     checked, unchecked = (_transposed_probabilities(M, NT, mods, tested) for tested in (True, False))
+
+    @device_function
+    def drop_hidden(s, dlogit, q_start, c0, warp_key, g, t, seqlen_q, seqlen_k, left, right):
+        for j in range(NT):
+            for e in range(2):
+                lo_q, hi_q = masks.key_range(q_start + c0 + 8 * j + 2 * t + e, seqlen_q, seqlen_k, left, right)
+                for r in range(M_ROWS):
+                    key = warp_key + lane_row(r, g)
+                    if key < lo_q or key >= hi_q:
+                        s[(r // 2) * NT + j, 2 * (r % 2) + e] = ZERO
+                        dlogit[(r // 2) * NT + j, 2 * (r % 2) + e] = ZERO
 
     @device_function
     def probabilities(s, dlogit, stats, lse_at, q_start, c0, warp_key, key_start, key_end, g, t, seqlen_q, seqlen_k,
@@ -57,7 +76,12 @@ def transposed_steps(M, NT, mods=NONE):
         # A tile the mask shows whole, whose indices the user's functions (if any) may all see, pays no test per
         # score: at headdim 64 the tests were most of the dK/dV kernel's instructions (ncu, H100: ALU the busiest
         # pipe at 40%, 2.4x the dQ kernel's instructions for a third more products).
-        if full and (not GUARDED or (block_full and q_end <= seqlen_q)):
+        if FORM_ALL:
+            unchecked(s, dlogit, stats, lse_at, q_start, c0, warp_key, full, g, t, seqlen_q, seqlen_k, left, right,
+                      scale_log2, b, h, bh, block_full)
+            if not full:
+                drop_hidden(s, dlogit, q_start, c0, warp_key, g, t, seqlen_q, seqlen_k, left, right)
+        elif full and (not GUARDED or ((block_full or not MASKED) and q_end <= seqlen_q)):
             unchecked(s, dlogit, stats, lse_at, q_start, c0, warp_key, full, g, t, seqlen_q, seqlen_k, left, right,
                       scale_log2, b, h, bh, block_full)
         else:
@@ -124,7 +148,7 @@ def _transposed_probabilities(M, NT, mods, TESTED):
 def row_steps(M, NT, mods=NONE):
     """``(rows, ds)`` for row tiles of ``M`` m-tiles of 16 query rows and ``8 NT`` key columns."""
     M_ROWS = 2 * M
-    GUARDED = guarded(mods)
+    GUARDED, MASKED = guarded(mods), mods.mask_mod is not None
     statistics = row_statistics(types.float32)
     checked, unchecked = (_row_ds(M, NT, mods, tested) for tested in (True, False))
 
@@ -140,7 +164,7 @@ def row_steps(M, NT, mods=NONE):
     def ds(s, dp, lse2, dsum, lo_r, hi_r, full, warp_row, n_start, g, t, seqlen_q, seqlen_k, scale_log2, b, h, bh,
            block_full):
         # As `transposed_steps`' probabilities: no test per score on a whole tile the user's functions may see.
-        if full and (not GUARDED or (block_full and warp_row + 16 * M <= seqlen_q)):
+        if full and (not GUARDED or ((block_full or not MASKED) and warp_row + 16 * M <= seqlen_q)):
             unchecked(s, dp, lse2, dsum, lo_r, hi_r, warp_row, n_start, g, t, seqlen_q, seqlen_k, scale_log2, b, h, bh,
                       block_full)
         else:
