@@ -112,6 +112,20 @@ def test_wgmma_backward(arrays, poisoned, mode):
                        *arrays)
 
 
+def test_wgmma_backward_at_headdim_128_forms_ds_with_p(arrays, poisoned):
+    """At padded head dim 128 a modified dK/dV step of v5 forms dS^T in the loop that forms P^T, keeping no
+    dlogit (`kernels.gradients.transposed_steps`' ``fused``): softcap with ALiBi under a causal mask (every
+    score formed, the hidden ones dropped after) and a score_mod with a mask_mod (each score tested first)."""
+    for name in ("softcap, ALiBi", "prefix LM, softcap, temperature"):
+        case = Case(BATCH, SEQLEN_Q, SEQLEN_K, NHEADS, NHEADS_KV, 72, "float16", causal=name == "softcap, ALiBi",
+                    logit_scale=2.0, seed=5, modifications=modifications(name, SEQLEN_Q, SEQLEN_K, seed=5))
+        plan = tiling.make_plan(BATCH, NHEADS, NHEADS_KV, SEQLEN_Q, SEQLEN_K, 72, "float16", backward=True,
+                                tiles=tiling.SIMULATOR_WGMMA_BACKWARD_TILES, modified=True)
+        assert plan.headdim_padded == 128
+        check_backward(case, numbaflash.attention, lambda *a, **kw: numbaflash.attention_backward(*a, plan=plan, **kw),
+                       *arrays)
+
+
 def test_full_tiles_modify_every_score_without_masking(arrays, poisoned):
     """Tiles that the mask leaves whole take the tensor-core forwards' branch-free path (`kernels.softmax.mask`):
     no causal mask, no mask_mod, rows that fill whole warps; the last key tile is partial."""

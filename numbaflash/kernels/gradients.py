@@ -42,8 +42,10 @@ def guarded(mods):
     return bool(mods.user_functions)
 
 
-def transposed_steps(M, NT, mods=NONE):
-    """``(probabilities, ds)`` for transposed tiles of ``M`` m-tiles of 16 keys and ``8 NT`` query columns."""
+def transposed_steps(M, NT, mods=NONE, fused=False):
+    """``(probabilities, ds)`` for transposed tiles of ``M`` m-tiles of 16 keys and ``8 NT`` query columns.
+    ``fused``: ``probabilities`` also turns the finished dP^T into dS^T, score by score, so no ``dlogit`` is
+    kept (``ds`` is then not needed)."""
     M_ROWS = 2 * M
     modifier = modifiers(mods, types.float32, fast=True)
     MODIFIED, MASKED = modifier.modified, modifier.masked
@@ -54,22 +56,24 @@ def transposed_steps(M, NT, mods=NONE):
     # the branch (forming them all spilled 16 bytes at headdim 128), the user's functions must (they see
     # visible indices only).
     FORM_ALL = MODIFIED and not GUARDED
-    checked, unchecked = (_transposed_probabilities(M, NT, mods, tested) for tested in (True, False))
+    checked, unchecked = (_transposed_probabilities(M, NT, mods, tested, fused) for tested in (True, False))
+    FUSED = fused
 
     @device_function
-    def drop_hidden(s, dlogit, q_start, c0, warp_key, g, t, seqlen_q, seqlen_k, left, right):
+    def drop_hidden(s, dp, q_start, c0, warp_key, g, t, seqlen_q, seqlen_k, left, right):
         for j in range(NT):
             for e in range(2):
                 lo_q, hi_q = masks.key_range(q_start + c0 + 8 * j + 2 * t + e, seqlen_q, seqlen_k, left, right)
                 for r in range(M_ROWS):
                     key = warp_key + lane_row(r, g)
-                    if key < lo_q or key >= hi_q:
+                    if key < lo_q or key >= hi_q:  # dS^T = P^T (...) dlogit is then 0 too: dlogit stays as formed
                         s[(r // 2) * NT + j, 2 * (r % 2) + e] = ZERO
-                        dlogit[(r // 2) * NT + j, 2 * (r % 2) + e] = ZERO
+                        if FUSED:
+                            dp[(r // 2) * NT + j, 2 * (r % 2) + e] = ZERO
 
     @device_function
-    def probabilities(s, dlogit, stats, lse_at, q_start, c0, warp_key, key_start, key_end, g, t, seqlen_q, seqlen_k,
-                      left, right, scale_log2, b, h, bh, block_full):
+    def probabilities(s, dp, dlogit, stats, lse_at, delta_at, q_start, c0, warp_key, key_start, key_end, g, t, seqlen_q,
+                      seqlen_k, left, right, scale_log2, b, h, bh, block_full):
         q_end = q_start + c0 + 8 * NT
         full = masks.tile_is_full(q_start + c0, min(q_end, seqlen_q), key_start, key_end, seqlen_q, seqlen_k, left,
                                   right)
@@ -77,16 +81,16 @@ def transposed_steps(M, NT, mods=NONE):
         # score: at headdim 64 the tests were most of the dK/dV kernel's instructions (ncu, H100: ALU the busiest
         # pipe at 40%, 2.4x the dQ kernel's instructions for a third more products).
         if FORM_ALL:
-            unchecked(s, dlogit, stats, lse_at, q_start, c0, warp_key, full, g, t, seqlen_q, seqlen_k, left, right,
-                      scale_log2, b, h, bh, block_full)
+            unchecked(s, dp, dlogit, stats, lse_at, delta_at, q_start, c0, warp_key, full, g, t, seqlen_q, seqlen_k,
+                      left, right, scale_log2, b, h, bh, block_full)
             if not full:
-                drop_hidden(s, dlogit, q_start, c0, warp_key, g, t, seqlen_q, seqlen_k, left, right)
+                drop_hidden(s, dp, q_start, c0, warp_key, g, t, seqlen_q, seqlen_k, left, right)
         elif full and (not GUARDED or ((block_full or not MASKED) and q_end <= seqlen_q)):
-            unchecked(s, dlogit, stats, lse_at, q_start, c0, warp_key, full, g, t, seqlen_q, seqlen_k, left, right,
-                      scale_log2, b, h, bh, block_full)
+            unchecked(s, dp, dlogit, stats, lse_at, delta_at, q_start, c0, warp_key, full, g, t, seqlen_q, seqlen_k,
+                      left, right, scale_log2, b, h, bh, block_full)
         else:
-            checked(s, dlogit, stats, lse_at, q_start, c0, warp_key, full, g, t, seqlen_q, seqlen_k, left, right,
-                    scale_log2, b, h, bh, block_full)
+            checked(s, dp, dlogit, stats, lse_at, delta_at, q_start, c0, warp_key, full, g, t, seqlen_q, seqlen_k, left,
+                    right, scale_log2, b, h, bh, block_full)
 
     @device_function
     def ds(s, dp, dlogit, stats, delta_at, t):
@@ -104,17 +108,17 @@ def transposed_steps(M, NT, mods=NONE):
     return probabilities, ds
 
 
-def _transposed_probabilities(M, NT, mods, TESTED):
+def _transposed_probabilities(M, NT, mods, TESTED, FUSED):
     """`transposed_steps`' P^T loop; ``TESTED``: each score passes the causal/window range (unless ``full``) and
-    the user's checks, else every score is taken as visible."""
+    the user's checks, else every score is taken as visible; ``FUSED``: dP^T becomes dS^T in the same loop."""
     M_ROWS = 2 * M
     modifier = modifiers(mods, types.float32, fast=True)
     MODIFIED, logit2, visible = modifier.modified, modifier.logit2, modifier.visible
     GUARDED = guarded(mods)
 
     @device_function
-    def loop(s, dlogit, stats, lse_at, q_start, c0, warp_key, full, g, t, seqlen_q, seqlen_k, left, right, scale_log2,
-             b, h, bh, block_full):
+    def loop(s, dp, dlogit, stats, lse_at, delta_at, q_start, c0, warp_key, full, g, t, seqlen_q, seqlen_k, left, right,
+             scale_log2, b, h, bh, block_full):
         # ALiBi's distance of the lane's first query and its row-g key of the warp's first m-tile
         distance = types.float32(q_start + c0 + 2 * t + seqlen_k - seqlen_q - warp_key - g)
         # Untested tiles read the LSE at an unsigned index: a signed one pays Numba's negative-index wraparound
@@ -126,6 +130,7 @@ def _transposed_probabilities(M, NT, mods, TESTED):
                 col = c0 + 8 * j + 2 * t + e
                 row = q_start + col
                 lse2 = stats[lse_at + col] if TESTED else stats[lse_lane + types.uint64(8 * j + e)]
+                dsum = stats[delta_at + col] if FUSED else ZERO
                 lo_q, hi_q = 0, seqlen_k  # a full tile: every key visible, no bounds to compute
                 if TESTED and not full:
                     lo_q, hi_q = masks.key_range(row, seqlen_q, seqlen_k, left, right)
@@ -139,7 +144,9 @@ def _transposed_probabilities(M, NT, mods, TESTED):
                                          abs(distance + types.float32(8 * j + e - lane_row(r, 0))), bh)
                         p = ex2(x - lse2)
                     s[mi * NT + j, 2 * half + e] = p
-                    if MODIFIED:
+                    if FUSED:
+                        dp[mi * NT + j, 2 * half + e] = p * (dp[mi * NT + j, 2 * half + e] - dsum) * grad
+                    elif MODIFIED:
                         dlogit[mi * NT + j, 2 * half + e] = grad
 
     return loop

@@ -161,8 +161,9 @@ def build_dkdv(D, tiles, storage, mods=NONE):
                     c_start = q_start + c0
                     if c_start < q_hi and c_start + CHUNK > q_lo:  # block-uniform: the chunk meets a visible row
                         scores(s, frag, smem, k_at, Q_AT + at + c0 * LD + b_off)
-                        probabilities(s, dlogit, stats, st, q_start, c0, warp_key, key_start, key_start + BLOCK_M, g,
-                                      t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh, block_full)
+                        probabilities(s, dp, dlogit, stats, st, st + BLOCK_N + c0, q_start, c0, warp_key, key_start,
+                                      key_start + BLOCK_M, g, t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh,
+                                      block_full)
                         accumulate(dv_acc, s, frag, smem, DO_AT + at + c0 * LD + t_off)  # dV += P^T dO
                         scores(dp, frag, smem, v_at, DO_AT + at + c0 * LD + b_off)
                         ds(s, dp, dlogit, stats, st + BLOCK_N + c0, t)

@@ -66,7 +66,11 @@ def dkdv_step(D, tiles, storage, mods=NONE):
     BLOCK_M, BLOCK_N = tiles.block_m, tiles.block_n
     scores, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage)
     pack = pack_p(BLOCK_N, storage)
-    probabilities, ds = transposed_steps(1, BLOCK_N // 8, mods)
+    # Modified scores at headdim 128 wait for dP^T too and form dS^T with P^T, keeping no dlogit: its 32
+    # registers beside dK's and dV's 128 spilled 128-136 bytes (softcap, softcap with ALiBi; ptxas 13.0). At 64
+    # there is room, and dP^T's product runs under P^T.
+    FUSED = mods.scores_modified and D > 64
+    probabilities, ds = transposed_steps(1, BLOCK_N // 8, mods, fused=FUSED)
 
     @device_function
     def operands(address, k_at, v_at, q_at, do_at, wg):
@@ -84,15 +88,19 @@ def dkdv_step(D, tiles, storage, mods=NONE):
         wgmma_commit()
         scores(dp, smem, v_desc, advance(do_desc, at))  # dP^T = V dO^T
         wgmma_commit()
-        wgmma_wait1()  # S^T is done; dP^T may still run under P^T below
-        probabilities(s, dlogit, stats, st, q_start, 0, warp_key, key_start, key_start + BLOCK_M, g, t, seqlen_q,
-                      seqlen_k, left, right, scale_log2, b, h, bh, block_full)
+        if FUSED:
+            wgmma_wait0()
+        else:
+            wgmma_wait1()  # S^T is done; dP^T may still run under P^T below
+        probabilities(s, dp, dlogit, stats, st, st + BLOCK_N, q_start, 0, warp_key, key_start, key_start + BLOCK_M, g,
+                      t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh, block_full)
         pack(p, s)
         wgmma_fence()
         accumulate(dv_acc, p, smem, advance(do_mn, at))  # dV += P^T dO
         wgmma_commit()
-        wgmma_wait1()  # dP^T is done; dV's product may still run under dS^T below
-        ds(s, dp, dlogit, stats, st + BLOCK_N, t)
+        if not FUSED:
+            wgmma_wait1()  # dP^T is done; dV's product may still run under dS^T below
+            ds(s, dp, dlogit, stats, st + BLOCK_N, t)
         pack(d_s, dp)
         wgmma_fence()
         accumulate(dk_acc, d_s, smem, advance(q_mn, at))  # dK += dS^T Q
