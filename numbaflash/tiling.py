@@ -637,13 +637,12 @@ def _wgmma_backward_plan(shape, device, tiles, aligned, packed, deterministic):
     if atomic:
         reason += ("; deterministic=False: the dK/dV kernel also adds dS K into a float32 dQ with atomics (5 products "
                    "per tile pair instead of 7; repeats may differ in the last bits of dQ)")
-    elif not deterministic and planned:
-        reason += ("; deterministic=False, but the deterministic two passes run faster than v5's atomic dQ (which "
-                   "runs with v5's tiles asked for): this call runs them")
     elif not deterministic:
-        reason += (f"; deterministic=False, but the atomic dQ runs v5's tiles streaming {WGMMA_ATOMIC_DQ} query rows at "
-                   f"head dims padded to {', '.join(map(str, WGMMA_ATOMIC_DQ_HEADDIMS))}: this call runs the "
-                   "deterministic two passes")
+        why = ("they run faster than v5's atomic dQ, which runs with v5's tiles asked for"
+               if planned and D in WGMMA_ATOMIC_DQ_HEADDIMS else
+               f"the atomic dQ runs v5's tiles streaming {WGMMA_ATOMIC_DQ} query rows at head dims padded to "
+               f"{', '.join(map(str, WGMMA_ATOMIC_DQ_HEADDIMS))}")
+        reason += f"; deterministic=False, but this call runs the deterministic two passes: {why}"
     return _plan("wgmma_tma_backward" if tiles.producer else "wgmma_backward", reason, shape, device, D, tiles, smem,
                  registers, "atomic" if atomic else "separate")
 

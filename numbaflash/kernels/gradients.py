@@ -42,20 +42,34 @@ def guarded(mods):
     return bool(mods.user_functions)
 
 
+def untested_tile(mods):
+    """``untested(full, block_full, rows_end, seqlen_q)``: whether a tile's scores skip the per-score tests: the
+    causal/window mask shows it whole (``full``) and the user's functions, if any, may see all its indices (a
+    mask_mod only where the block mask found the tile full, and every row ``< rows_end`` in the sequence). At
+    headdim 64 the tests were most of the backward's dK/dV kernel's instructions (ncu, H100: ALU the busiest
+    pipe at 40%, 2.4x the dQ kernel's instructions for a third more products)."""
+    GUARDED, MASKED = guarded(mods), mods.mask_mod is not None
+
+    @device_function
+    def untested(full, block_full, rows_end, seqlen_q):
+        return full and (not GUARDED or ((block_full or not MASKED) and rows_end <= seqlen_q))
+
+    return untested
+
+
 def transposed_steps(M, NT, mods=NONE, fused=False):
     """``(probabilities, ds)`` for transposed tiles of ``M`` m-tiles of 16 keys and ``8 NT`` query columns.
     ``fused``: ``probabilities`` also turns the finished dP^T into dS^T, score by score, so no ``dlogit`` is
     kept (``ds`` is then not needed)."""
     M_ROWS = 2 * M
-    modifier = modifiers(mods, types.float32, fast=True)
-    MODIFIED, MASKED = modifier.modified, modifier.masked
-    GUARDED = guarded(mods)
+    MODIFIED = modifiers(mods, types.float32, fast=True).modified
+    untested = untested_tile(mods)
     # softcap and ALiBi without the user's functions form every score and drop the hidden ones after, as the
     # forward does: one loop with a branch around their arithmetic stayed rolled, S^T and dlogit in local
     # memory (256 bytes at headdim 64, ptxas 13.0) and a wgmma wait injected (C7517). The plain scores keep
     # the branch (forming them all spilled 16 bytes at headdim 128), the user's functions must (they see
     # visible indices only).
-    FORM_ALL = MODIFIED and not GUARDED
+    FORM_ALL = MODIFIED and not guarded(mods)
     checked, unchecked = (_transposed_probabilities(M, NT, mods, tested, fused) for tested in (True, False))
     FUSED = fused
 
@@ -77,17 +91,11 @@ def transposed_steps(M, NT, mods=NONE, fused=False):
         q_end = q_start + c0 + 8 * NT
         full = masks.tile_is_full(q_start + c0, min(q_end, seqlen_q), key_start, key_end, seqlen_q, seqlen_k, left,
                                   right)
-        # A tile the mask shows whole, whose indices the user's functions (if any) may all see, pays no test per
-        # score: at headdim 64 the tests were most of the dK/dV kernel's instructions (ncu, H100: ALU the busiest
-        # pipe at 40%, 2.4x the dQ kernel's instructions for a third more products).
-        if FORM_ALL:
+        if FORM_ALL or untested(full, block_full, q_end, seqlen_q):
             unchecked(s, dp, dlogit, stats, lse_at, delta_at, q_start, c0, warp_key, full, g, t, seqlen_q, seqlen_k,
                       left, right, scale_log2, b, h, bh, block_full)
-            if not full:
+            if FORM_ALL and not full:
                 drop_hidden(s, dp, q_start, c0, warp_key, g, t, seqlen_q, seqlen_k, left, right)
-        elif full and (not GUARDED or ((block_full or not MASKED) and q_end <= seqlen_q)):
-            unchecked(s, dp, dlogit, stats, lse_at, delta_at, q_start, c0, warp_key, full, g, t, seqlen_q, seqlen_k,
-                      left, right, scale_log2, b, h, bh, block_full)
         else:
             checked(s, dp, dlogit, stats, lse_at, delta_at, q_start, c0, warp_key, full, g, t, seqlen_q, seqlen_k, left,
                     right, scale_log2, b, h, bh, block_full)
@@ -155,7 +163,7 @@ def _transposed_probabilities(M, NT, mods, TESTED, FUSED):
 def row_steps(M, NT, mods=NONE):
     """``(rows, ds)`` for row tiles of ``M`` m-tiles of 16 query rows and ``8 NT`` key columns."""
     M_ROWS = 2 * M
-    GUARDED, MASKED = guarded(mods), mods.mask_mod is not None
+    untested = untested_tile(mods)
     statistics = row_statistics(types.float32)
     checked, unchecked = (_row_ds(M, NT, mods, tested) for tested in (True, False))
 
@@ -170,8 +178,7 @@ def row_steps(M, NT, mods=NONE):
     @device_function
     def ds(s, dp, lse2, dsum, lo_r, hi_r, full, warp_row, n_start, g, t, seqlen_q, seqlen_k, scale_log2, b, h, bh,
            block_full):
-        # As `transposed_steps`' probabilities: no test per score on a whole tile the user's functions may see.
-        if full and (not GUARDED or ((block_full or not MASKED) and warp_row + 16 * M <= seqlen_q)):
+        if untested(full, block_full, warp_row + 16 * M, seqlen_q):
             unchecked(s, dp, lse2, dsum, lo_r, hi_r, warp_row, n_start, g, t, seqlen_q, seqlen_k, scale_log2, b, h, bh,
                       block_full)
         else:
