@@ -95,11 +95,15 @@ def inspect(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), nam
     if any(on_host) and any(on_device):
         raise TypeError(f"{nq}, {nk}, {nv} mix host (NumPy) and device arrays; pass all three on the GPU")
     ops = [_arrays.describe(x, n) for x, n in zip((q, k, v), names)]
-    layout = call_cache.key(ops, causal, softmax_scale, window_size, modifications, backward) if names == NAMES else None
+    layout, mod_arrays = (call_cache.key(ops, causal, softmax_scale, window_size, modifications, backward)
+                          if names == NAMES else (None, None))
     known = call_cache.get(layout)
     if known is not None:
         call = copy.copy(known)  # a third of dataclasses.replace's cost
         call.q, call.k, call.v = ops
+        if mod_arrays:  # this call's slopes and mod_args, of the layouts checked before
+            slopes = mod_arrays[0] if call.mods.alibi else None
+            call.mod_values = _mod_values(call, modifications.get("softcap", 0.0), slopes, mod_arrays[slopes is not None:])
         return call
     ndims = [len(op.shape) for op in ops]
     if not (all(n == 4 for n in ndims) or all(n == 2 for n in ndims)):
@@ -145,14 +149,21 @@ def inspect(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), nam
     if block is not None:
         modified = dataclasses.replace(modified, block_sparse=True)
     call.block_mask = block
-    if slopes is not None and len(slopes.shape) == 1:
-        slopes = _arrays.describe(slopes.obj[None, :], "alibi_slopes")  # (1, nheads): one row for every batch element
     call.mods = modified
-    call.mod_values = kernel_mods.values(modified, softcap, slopes, mod_args, _accumulator_scalar(call))
+    call.mod_values = _mod_values(call, softcap, slopes, mod_args)
     if layout is not None:
         call.memo = {}
-        call_cache.put(layout, dataclasses.replace(call, q=None, k=None, v=None))
+        kept_values = None if slopes is not None or mod_args else call.mod_values  # no array of the call is kept
+        call_cache.put(layout, dataclasses.replace(call, q=None, k=None, v=None, mod_values=kept_values))
     return call
+
+
+def _mod_values(call, softcap, slopes, mod_args):
+    """The kernels' ``mod`` argument (`kernels.mods.values`) from checked modifications: ``slopes`` and
+    ``mod_args`` `_arrays.Operand`s."""
+    if slopes is not None and len(slopes.shape) == 1:
+        slopes = _arrays.describe(slopes.obj[None, :], "alibi_slopes")  # (1, nheads): one row for every batch element
+    return kernel_mods.values(call.mods, softcap, slopes, tuple(mod_args), _accumulator_scalar(call))
 
 
 # The modification keyword arguments of attention and attention_backward, and their defaults (off).

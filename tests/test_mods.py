@@ -174,6 +174,31 @@ def test_alibi_slopes_per_head_match_the_same_slopes_per_batch_element(arrays):
     assert np.array_equal(run(slopes), run(np.stack([slopes, slopes])))
 
 
+def visible_before(b, h, q_idx, kv_idx, limit):
+    return kv_idx < limit[b]
+
+
+def test_a_repeated_layout_runs_on_its_own_arrays(arrays):
+    """A call of a layout checked before (`call_cache`) passes its own slopes and mod_args to the kernel, not
+    those of the call that was remembered, and the remembered call keeps none of them."""
+    from numbaflash import call_cache
+
+    to_device, to_host = arrays
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((2, 9, 2, 16)).astype(np.float32) for _ in range(3))
+    device = [to_device(x) for x in (q, k, v)]
+    for options in (dict(alibi_slopes=np.array([0.25, 0.5], np.float32)), dict(alibi_slopes=np.array([2.0, 0.0], np.float32)),
+                    dict(mask_mod=visible_before, mod_args=(np.array([3, 9]),)),
+                    dict(mask_mod=visible_before, mod_args=(np.array([7, 1]),))):
+        given = {key: (to_device(x) if key == "alibi_slopes" else tuple(map(to_device, x)) if key == "mod_args" else x)
+                 for key, x in options.items()}
+        got = to_host(numbaflash.attention(*device, **given))
+        want, _ = reference.attention_forward(q, k, v, **options)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    kept = [entry.mod_values for entry in call_cache._CALLS.values() if entry.mods.alibi or entry.mods.mask_mod]
+    assert kept and all(values is None for values in kept)
+
+
 def test_a_mask_mod_that_is_causal_gives_causal_attention(arrays):
     to_device, to_host = arrays
     rng = np.random.default_rng(2)

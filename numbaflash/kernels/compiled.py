@@ -4,15 +4,14 @@ A specialization is (kernel builder, padded head dim, tiles, storage dtype, `mod
 constants, so each one is a separate compile, kept for the life of the process and, on a GPU, on disk
 (`disk_cache`): a new process loads the cubin instead of compiling.
 
-Launches on the GPU pack the kernel's parameters themselves and call cuda.core's ``launch``, as
-numba's dispatcher does after it has typed and wrapped every argument: that wrapping (a numba device
-array per operand, context checks per argument) cost about 200 microseconds per forward call on the
-H200, a fifth of the whole call at N = 2048. Parameters follow numba's ABI: an array is (meminfo,
-parent, nitems, itemsize, data, shape..., strides...), a scalar its C type. On the simulator the
-dispatcher launches, on views of the operands.
+Launches on the GPU pack the kernel's parameters into one buffer and call the driver's cuLaunchKernel
+(`parameters`), as numba's dispatcher does after it has typed and wrapped every argument: that wrapping
+(a numba device array per operand, context checks per argument) cost about 200 microseconds per forward
+call on the H200, a fifth of the whole call at N = 2048, and cuda.core's ``launch``, which converts each
+parameter on its own, 25-37 per launch on the H100's host. On the simulator the dispatcher launches, on
+views of the operands.
 """
 
-import ctypes
 import functools
 import sys
 
@@ -21,14 +20,12 @@ import numba_cuda
 from numba import cuda, types
 from numba.np.numpy_support import as_dtype
 
-from . import disk_cache
+from . import disk_cache, parameters
 from ..mods import NONE
 from .intrinsics import SIMULATOR
 
 SIMULATOR_SWITCH_INTERVAL = 3e-4  # seconds, while a simulated kernel runs
 STATIC_SMEM_LIMIT = 48 * 1024  # bytes a kernel may use before its dynamic limit is raised
-_SCALARS = {types.float32: ctypes.c_float, types.float64: ctypes.c_double, types.int64: ctypes.c_int64,
-            types.boolean: bool}
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,24 +50,6 @@ def kernel(build, D, tiles, storage, threads, mods=NONE):
     return Kernel(fn, signature, launch_bounds, specialization)
 
 
-def _flat_types(signature):
-    """A signature's parameters in numba's ABI order: a tuple argument is its members, one after another."""
-    for t in signature:
-        if isinstance(t, types.BaseTuple):
-            yield from _flat_types(t)
-        else:
-            yield t
-
-
-def _flat_values(args, values):
-    """`_flat_types`'s order for a launch's arguments, appended to ``values``."""
-    for a in args:
-        if type(a) is tuple:
-            _flat_values(a, values)
-        else:
-            values.append(a)
-
-
 def _simulator_view(t, a):
     if isinstance(t, types.BaseTuple):
         return tuple(_simulator_view(member, x) for member, x in zip(t, a))
@@ -86,13 +65,8 @@ class Kernel:
         self._launch_bounds = launch_bounds
         self._specialization = specialization
         self.signature = signature
-        # Per flattened parameter, worked out once (a launch is on the hot path): an array's element size
-        # (the operand is viewed as the kernel's dtype), or a scalar's C type.
-        flat = list(_flat_types(signature))
-        self._itemsizes = [as_dtype(t.dtype).itemsize if isinstance(t, types.Array) else None for t in flat]
-        self._scalars = [None if isinstance(t, types.Array) else _SCALARS[t] for t in flat]
-        self._functions = {}  # device ordinal -> cuda.core kernel, with its dynamic shared memory raised
-        self._configs = {}  # (grid, threads, shared memory) -> cuda.core LaunchConfig
+        # device ordinal -> (cuda.bindings CUkernel handle, with its dynamic shared memory raised; `parameters.Packer`)
+        self._functions = {}
 
     def launch(self, grid, threads, smem_bytes, stream, *args):
         """Run on ``grid`` blocks of ``threads`` threads with ``smem_bytes`` of dynamic shared memory, on
@@ -110,24 +84,8 @@ class Kernel:
             finally:
                 sys.setswitchinterval(previous)
             return
-        from cuda.core import LaunchConfig, launch
-
-        values, params = [], []
-        _flat_values(args, values)
-        for a, itemsize, scalar in zip(values, self._itemsizes, self._scalars):
-            if itemsize is None:
-                params.append(scalar(a))
-            else:
-                nitems = 1
-                for n in a.shape:
-                    nitems *= n
-                params += (0, 0, nitems, itemsize, a.ptr, *a.shape, *a.strides)
-        function = self._function(stream.device, smem_bytes)
-        config = self._configs.get((grid, threads, smem_bytes))
-        if config is None:  # made once per launch shape: its checks cost a tenth of a launch
-            config = self._configs[grid, threads, smem_bytes] = LaunchConfig(grid=grid, block=threads,
-                                                                              shmem_size=smem_bytes)
-        launch(stream, config, function, *params)
+        function, packer = self._function(stream.device, smem_bytes)
+        parameters.launch(function, grid, threads, smem_bytes, stream.handle, packer, args)
 
     @functools.cached_property
     def dispatcher(self):
@@ -179,5 +137,7 @@ class Kernel:
                 # Shared memory past 48 KiB must be requested per function and device (cudaFuncSetAttribute).
                 attribute = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
                 driver.cuKernelSetAttribute(attribute, smem_bytes, cufunc.handle, device)
-            self._functions[device] = cufunc.kernel
+            kernel = cufunc.kernel  # cuda.core's
+            offsets = [offset for offset, _ in kernel.arguments_info]
+            self._functions[device] = (kernel.handle, parameters.Packer(self.signature, offsets))
         return self._functions[device]

@@ -1,0 +1,106 @@
+"""A kernel's parameters packed into one buffer, and its launch through the driver's cuLaunchKernel.
+
+numba's kernel ABI flattens every argument: an array is (meminfo, parent, nitems, itemsize, data, shape...,
+strides...), eight bytes each, a scalar its C type, a tuple argument its members one after another. The
+driver takes them either as one pointer per parameter or as one buffer laid out at the parameters' offsets
+(``CU_LAUNCH_PARAM_BUFFER_POINTER`` in cuLaunchKernel's ``extra``). The buffer is one `struct` pack from
+the offsets the driver reports for the function: cuda.core's ``launch`` converted each of a forward's 100-odd
+parameters on its own, 25-37 microseconds per launch on the H100's host, more than SDPA's whole call (16).
+"""
+
+import ctypes
+import struct
+
+from numba import types
+from numba.np.numpy_support import as_dtype
+
+# struct codes of the scalar parameters the kernels take (arrays' members are all 'q')
+_CODES = {types.float32: "f", types.float64: "d", types.int64: "q", types.boolean: "?"}
+_BUFFER_POINTER, _BUFFER_SIZE, _END = 1, 2, 0  # cuLaunchKernel's extra keys (CU_LAUNCH_PARAM_*)
+
+
+def flat_types(signature):
+    """A signature's parameters in numba's ABI order: a tuple argument is its members, one after another."""
+    for t in signature:
+        if isinstance(t, types.BaseTuple):
+            yield from flat_types(t)
+        else:
+            yield t
+
+
+def flat_values(args, values):
+    """`flat_types`'s order for a launch's arguments, appended to ``values``."""
+    for a in args:
+        if type(a) is tuple:
+            flat_values(a, values)
+        else:
+            values.append(a)
+
+
+def _codes(signature):
+    """One struct code per flattened parameter of the kernel's ABI."""
+    codes = []
+    for t in flat_types(signature):
+        codes += ["q"] * (5 + 2 * t.ndim) if isinstance(t, types.Array) else [_CODES[t]]
+    return codes
+
+
+class Packer:
+    """Packs a launch's arguments into the parameter buffer of a kernel with ``signature``, at the ``offsets``
+    (bytes) the driver gives for its parameters (cuFuncGetParamInfo; cuda.core's ``Kernel.arguments_info``)."""
+
+    def __init__(self, signature, offsets):
+        codes = _codes(signature)
+        if len(codes) != len(offsets):
+            raise RuntimeError(f"the compiled kernel takes {len(offsets)} parameters, its signature gives {len(codes)}")
+        layout, at = "<", 0
+        for code, offset in zip(codes, offsets):
+            if offset < at:
+                raise RuntimeError(f"kernel parameter offsets overlap: {offsets}")
+            layout += "x" * (offset - at) + code
+            at = offset + struct.calcsize("<" + code)
+        self._struct = struct.Struct(layout)
+        self.size = self._struct.size
+        self._itemsizes = [as_dtype(t.dtype).itemsize if isinstance(t, types.Array) else None
+                           for t in flat_types(signature)]
+
+    def values(self, args):
+        """The flattened parameter values of a launch: array arguments are `_arrays.Operand`s (viewed as the
+        kernel's dtype), scalars numbers, a tuple argument a tuple of those."""
+        flat, values = [], []
+        flat_values(args, flat)
+        for a, itemsize in zip(flat, self._itemsizes):
+            if itemsize is None:
+                values.append(a)
+            else:
+                nitems = 1
+                for n in a.shape:
+                    nitems *= n
+                values += (0, 0, nitems, itemsize, a.ptr, *a.shape, *a.strides)
+        return values
+
+    def pack(self, args):
+        """``(buffer, extra)``: the packed parameters and cuLaunchKernel's ``extra`` array naming them. Made per
+        launch: the driver copies the buffer when the launch is issued, and a buffer shared between threads
+        could change under another thread's launch."""
+        buffer = ctypes.create_string_buffer(self.size)
+        self._struct.pack_into(buffer, 0, *self.values(args))
+        size = ctypes.c_size_t(self.size)
+        extra = (ctypes.c_void_p * 5)(_BUFFER_POINTER, ctypes.addressof(buffer), _BUFFER_SIZE, ctypes.addressof(size),
+                                      _END)
+        return buffer, size, extra
+
+
+def launch(function, grid, threads, smem_bytes, stream_handle, packer, args):
+    """Launch CUfunction/CUkernel ``function`` (a cuda.bindings handle) on ``grid`` blocks of ``threads`` threads
+    with ``smem_bytes`` of dynamic shared memory on the stream ``stream_handle`` (0: the default stream)."""
+    from cuda.bindings import driver
+
+    buffer, size, extra = packer.pack(args)  # kept alive until the driver has copied them
+    grid = grid if type(grid) is tuple else (grid,)
+    gx, gy, gz = grid + (1,) * (3 - len(grid))
+    err, = driver.cuLaunchKernel(function, gx, gy, gz, threads, 1, 1, smem_bytes, stream_handle, 0,
+                                 ctypes.addressof(extra))
+    if err != driver.CUresult.CUDA_SUCCESS:
+        _, name = driver.cuGetErrorName(err)
+        raise RuntimeError(f"cuLaunchKernel failed: {name.decode() if name else err}")
