@@ -67,27 +67,33 @@ def _dtype_name(dtype):
     return str(dtype).replace("torch.", "")
 
 
+@functools.lru_cache(maxsize=None)  # a dictionary lookup per operand instead of string splitting
+def _library(cls):
+    """The top-level module of an array type ("torch", "cupy", "numpy", ...)."""
+    return cls.__module__.split(".")[0]
+
+
 def is_device_array(x):
     """Whether ``x`` is one of the GPU array kinds `describe` accepts (without touching the driver)."""
-    return (type(x).__module__.split(".")[0] in ("torch", "cupy") or hasattr(x, "__cuda_array_interface__")
+    return (_library(type(x)) in ("torch", "cupy") or hasattr(x, "__cuda_array_interface__")
             or hasattr(x, "__dlpack__"))
 
 
 def describe(x, name):
     """An `Operand` for a user array; TypeError for anything numbaflash cannot read."""
-    module = type(x).__module__.split(".")[0]
+    module = _library(type(x))
+    if module == "torch":
+        if not x.is_cuda:
+            raise TypeError(f"{name} is a torch tensor on {x.device}: numbaflash runs on CUDA tensors")
+        itemsize = x.element_size()
+        return Operand(x, "torch", tuple(x.shape), tuple([s * itemsize for s in x.stride()]), _dtype_name(x.dtype),
+                       x.get_device(), x.data_ptr())
     if isinstance(x, np.ndarray):
         if not SIMULATOR:
             raise TypeError(
                 f"{name} is a NumPy array, which lives in host memory: pass CuPy arrays or torch CUDA tensors "
                 "(or set NUMBA_ENABLE_CUDASIM=1 before importing numba to run on the CUDA simulator)")
         return Operand(x, "numpy", x.shape, x.strides, _dtype_name(x.dtype), -1, x.ctypes.data)
-    if module == "torch":
-        if not x.is_cuda:
-            raise TypeError(f"{name} is a torch tensor on {x.device}: numbaflash runs on CUDA tensors")
-        itemsize = x.element_size()
-        return Operand(x, "torch", tuple(x.shape), tuple(s * itemsize for s in x.stride()), _dtype_name(x.dtype),
-                       x.get_device(), x.data_ptr())
     if module == "cupy":
         return Operand(x, "cupy", x.shape, x.strides, _dtype_name(x.dtype), x.device.id, x.data.ptr)
     if hasattr(x, "__cuda_array_interface__"):

@@ -39,7 +39,8 @@ def key(ops, causal, softmax_scale, window_size, modifications, backward):
     return (layout, causal, softmax_scale, tuple(window_size), backward, options), arrays
 
 
-_FUNCTIONS = ("score_mod", "score_mod_grad", "mask_mod")
+_NO_FUNCTIONS = (None, None, None)
+_PLAIN = (0.0, False, _NO_FUNCTIONS, None, ())
 _MODULES = {"torch": "torch", "cupy": "cupy", "numpy": "numpy"}  # an Operand's kind -> its arrays' module
 
 
@@ -49,7 +50,10 @@ def _modifications(modifications, kind):
     than q's (the checks' messages for those come from the full validation)."""
     get = modifications.get
     softcap, slopes, mod_args, block = get("softcap", 0.0), get("alibi_slopes"), get("mod_args", ()), get("block_mask")
-    functions = tuple(get(name) for name in _FUNCTIONS)
+    functions = (get("score_mod"), get("score_mod_grad"), get("mask_mod"))
+    if functions == _NO_FUNCTIONS and slopes is None and block is None and mod_args == () and softcap == 0.0 \
+            and type(softcap) is float and type(mod_args) is tuple:
+        return _PLAIN, []  # the common call: nothing to describe
     if type(softcap) is not float or type(mod_args) is not tuple or not (block is None or type(block) is BlockMask):
         return None
     if any(f is not None and type(f) is not types.FunctionType for f in functions):

@@ -1,7 +1,6 @@
 """The public API: `attention`, `attention_backward`, `plan` and `explain`, with every check at the boundary."""
 
 import contextlib
-import copy
 import dataclasses
 import functools
 import math
@@ -99,7 +98,8 @@ def inspect(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), nam
                           if names == NAMES else (None, None))
     known = call_cache.get(layout)
     if known is not None:
-        call = copy.copy(known)  # a third of dataclasses.replace's cost
+        call = Call.__new__(Call)  # 0.4 us where copy.copy took 1.6 and dataclasses.replace 2.5 (this host)
+        call.__dict__.update(known.__dict__)
         call.q, call.k, call.v = ops
         if mod_arrays:  # this call's slopes and mod_args, of the layouts checked before
             slopes = mod_arrays[0] if call.mods.alibi else None

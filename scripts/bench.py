@@ -39,10 +39,18 @@ def flops(batch, nheads, seqlen, headdim, causal, backward=False):
     return 2.5 * f if backward else f
 
 
-def time_ms(fn, warmup=2, repeats=7):
+def time_ms(fn, warmup=2, repeats=7, warm_ms=100.0):
+    """Median milliseconds of one call (its host time included: each call starts on an idle GPU), after
+    ``warmup`` calls and at least ``warm_ms`` of calls; short calls get more repeats (about 20 ms of them)."""
     torch = _torch()
-    for _ in range(warmup):
+    start = time.perf_counter()
+    done = 0
+    while done < warmup or (time.perf_counter() - start) * 1e3 < warm_ms:
         fn()
+        torch.cuda.synchronize()
+        done += 1
+    per_call = (time.perf_counter() - start) * 1e3 / done
+    repeats = max(repeats, min(50, int(20 / per_call)))  # about 20 ms of timed calls, up to 50 of them
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

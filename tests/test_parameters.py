@@ -1,6 +1,7 @@
 """`kernels.parameters`: a launch's arguments packed at the offsets the driver gives for the kernel's
 parameters (numba's ABI: an array is meminfo, parent, nitems, itemsize, data, shape..., strides...)."""
 
+import ctypes
 import struct
 
 import numpy as np
@@ -31,7 +32,8 @@ def test_arguments_land_at_their_parameters_offsets():
     sizes = [8] * 13 + [4, 1, 8] + [8] * 9 + [8]
     offsets = natural_offsets(sizes)
     packer = parameters.Packer(SIGNATURE, offsets)
-    buffer, size, _ = packer.pack(args)
+    buffer, size, extra, _ = packer.pack(args)
+    assert list(extra)[1] == ctypes.addressof(buffer) and list(extra)[3] == ctypes.addressof(size)
     assert size.value == packer.size == offsets[-1] + 8
     raw = bytes(buffer)
 

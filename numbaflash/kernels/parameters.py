@@ -9,7 +9,10 @@ parameters on its own, 25-37 microseconds per launch on the H100's host, more th
 """
 
 import ctypes
+import functools
+import math
 import struct
+import threading
 
 from numba import types
 from numba.np.numpy_support import as_dtype
@@ -63,6 +66,7 @@ class Packer:
         self.size = self._struct.size
         self._itemsizes = [as_dtype(t.dtype).itemsize if isinstance(t, types.Array) else None
                            for t in flat_types(signature)]
+        self._local = threading.local()
 
     def values(self, args):
         """The flattened parameter values of a launch: array arguments are `_arrays.Operand`s (viewed as the
@@ -73,34 +77,39 @@ class Packer:
             if itemsize is None:
                 values.append(a)
             else:
-                nitems = 1
-                for n in a.shape:
-                    nitems *= n
-                values += (0, 0, nitems, itemsize, a.ptr, *a.shape, *a.strides)
+                values += (0, 0, math.prod(a.shape), itemsize, a.ptr, *a.shape, *a.strides)
         return values
 
     def pack(self, args):
-        """``(buffer, extra)``: the packed parameters and cuLaunchKernel's ``extra`` array naming them. Made per
-        launch: the driver copies the buffer when the launch is issued, and a buffer shared between threads
-        could change under another thread's launch."""
-        buffer = ctypes.create_string_buffer(self.size)
-        self._struct.pack_into(buffer, 0, *self.values(args))
-        size = ctypes.c_size_t(self.size)
-        extra = (ctypes.c_void_p * 5)(_BUFFER_POINTER, ctypes.addressof(buffer), _BUFFER_SIZE, ctypes.addressof(size),
-                                      _END)
-        return buffer, size, extra
+        """The address of cuLaunchKernel's ``extra`` array naming the packed parameters. Each thread packs
+        into its own buffer, made once: the driver copies the buffer when the launch is issued, and a
+        buffer shared between threads could change under another thread's launch (ctypes lets go of
+        the GIL while the driver runs)."""
+        slot = getattr(self._local, "slot", None)
+        if slot is None:
+            buffer, size = ctypes.create_string_buffer(self.size), ctypes.c_size_t(self.size)
+            extra = (ctypes.c_void_p * 5)(_BUFFER_POINTER, ctypes.addressof(buffer), _BUFFER_SIZE,
+                                          ctypes.addressof(size), _END)
+            slot = self._local.slot = (buffer, size, extra, ctypes.addressof(extra))
+        self._struct.pack_into(slot[0], 0, *self.values(args))
+        return slot
+
+
+@functools.lru_cache(maxsize=None)
+def _driver():
+    from cuda.bindings import driver
+
+    return driver
 
 
 def launch(function, grid, threads, smem_bytes, stream_handle, packer, args):
-    """Launch CUfunction/CUkernel ``function`` (a cuda.bindings handle) on ``grid`` blocks of ``threads`` threads
-    with ``smem_bytes`` of dynamic shared memory on the stream ``stream_handle`` (0: the default stream)."""
-    from cuda.bindings import driver
-
-    buffer, size, extra = packer.pack(args)  # kept alive until the driver has copied them
-    grid = grid if type(grid) is tuple else (grid,)
-    gx, gy, gz = grid + (1,) * (3 - len(grid))
-    err, = driver.cuLaunchKernel(function, gx, gy, gz, threads, 1, 1, smem_bytes, stream_handle, 0,
-                                 ctypes.addressof(extra))
+    """Launch CUfunction/CUkernel ``function`` (a cuda.bindings handle) on ``grid`` blocks (an int or a tuple of up
+    to 3) of ``threads`` threads with ``smem_bytes`` of dynamic shared memory on the stream ``stream_handle``
+    (0: the default stream)."""
+    driver = _driver()
+    *_, extra = packer.pack(args)
+    gx, gy, gz = (grid, 1, 1) if type(grid) is int else tuple(grid) + (1,) * (3 - len(grid))
+    err, = driver.cuLaunchKernel(function, gx, gy, gz, threads, 1, 1, smem_bytes, stream_handle, 0, extra)
     if err != driver.CUresult.CUDA_SUCCESS:
         _, name = driver.cuGetErrorName(err)
         raise RuntimeError(f"cuLaunchKernel failed: {name.decode() if name else err}")
