@@ -68,20 +68,20 @@ def _dtype_name(dtype):
 
 
 @functools.lru_cache(maxsize=None)  # a dictionary lookup per operand instead of string splitting
-def _library(cls):
+def library(cls):
     """The top-level module of an array type ("torch", "cupy", "numpy", ...)."""
     return cls.__module__.split(".")[0]
 
 
 def is_device_array(x):
     """Whether ``x`` is one of the GPU array kinds `describe` accepts (without touching the driver)."""
-    return (_library(type(x)) in ("torch", "cupy") or hasattr(x, "__cuda_array_interface__")
+    return (library(type(x)) in ("torch", "cupy") or hasattr(x, "__cuda_array_interface__")
             or hasattr(x, "__dlpack__"))
 
 
 def describe(x, name):
     """An `Operand` for a user array; TypeError for anything numbaflash cannot read."""
-    module = _library(type(x))
+    module = library(type(x))
     if module == "torch":
         if not x.is_cuda:
             raise TypeError(f"{name} is a torch tensor on {x.device}: numbaflash runs on CUDA tensors")
@@ -252,5 +252,5 @@ def stream_of(op):
     return Stream(ptr, op.device)
 
 
-__all__ = ["Operand", "batch_view", "describe", "empty", "from_host", "is_device_array", "output", "single_head_view", "stream_of",
-           "to_host", "zeros"]
+__all__ = ["Operand", "batch_view", "describe", "empty", "from_host", "is_device_array", "library", "output",
+           "single_head_view", "stream_of", "to_host", "zeros"]
