@@ -22,6 +22,7 @@ from . import _arrays, masks, mods
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 FINE = 16  # the tiles the mask's counts are kept at; kernel tiles that are multiples of it (all of today's) sum them
+_ROWS_AT_ONCE = 1024  # rows of the causal/window mask made at once when counting visible scores
 
 
 class BlockMask:
@@ -37,6 +38,7 @@ class BlockMask:
         self._classes = {}
         self._visited = {}
         self._tables = {}
+        self._scores = {}  # (left, right) -> visible scores per (batch or 1, nheads or 1)
 
     def __repr__(self):
         return (f"BlockMask({self.mask_mod.__qualname__}, batch={self.batch}, nheads={self.nheads}, "
@@ -129,6 +131,23 @@ class BlockMask:
                 table[b, hk, kt, 1:1 + len(visits)] = visits
             self._tables[key] = _arrays.from_host(like, table)
         return self._tables[key]
+
+    def visible_scores(self, left, right, batch, nheads):
+        """Scores that both the mask_mod and the causal/window mask ``(left, right)`` show, summed over a call's
+        ``batch`` and ``nheads`` (a shared axis counts for each): `sim.hardware`'s FLOPs. The mask is evaluated
+        again on the host (about a second per 2^28 scores), once per window."""
+        if (left, right) not in self._scores:
+            visible = self._visible()
+            ranges = np.array([masks.key_range(i, self.seqlen_q, self.seqlen_k, left, right)
+                               for i in range(self.seqlen_q)], dtype=np.int64).reshape(-1, 2)
+            keys = np.arange(self.seqlen_k)
+            count = np.zeros(visible.shape[:2], np.int64)
+            for r0 in range(0, self.seqlen_q, _ROWS_AT_ONCE):
+                lo, hi = ranges[r0:r0 + _ROWS_AT_ONCE, :1], ranges[r0:r0 + _ROWS_AT_ONCE, 1:]
+                count += (visible[:, :, r0:r0 + _ROWS_AT_ONCE] & (keys >= lo) & (keys < hi)).sum(axis=(2, 3))
+            self._scores[left, right] = count
+        count = self._scores[left, right]
+        return int(count.sum()) * (batch // count.shape[0]) * (nheads // count.shape[1])
 
     def density(self, block_m, block_n):
         """The fraction of tiles that are not empty."""

@@ -551,8 +551,8 @@ def _block_mask_lines(call, the_plan, backward):
         if the_plan.dq_strategy != "atomic":
             tiles += f" and {call.block_mask.density(bm, bn):.1%} of the {bm} x {bn} tiles of the dQ pass"
         tiles += " are not empty: the backward visits"
-    return [f"block mask  {tiles} only those, and calls mask_mod on the partial ones (the HBM traffic below counts "
-            "only those; sim.hardware's model on the GPU line is the dense schedule's)"]
+    return [f"block mask  {tiles} only those, and calls mask_mod on the partial ones (the HBM traffic and the GPU "
+            "line below count only those)"]
 
 
 EXPLAIN_TILE_VISITS = 500_000  # about 5 s of `sim.hardware.predict`: explain skips (and says so) past this
@@ -571,7 +571,8 @@ def _on_the_gpu(call, the_plan, causal, window_size):
     operands = {name: hardware.Operand.of(op.obj) for name, op in (("q", call.q), ("k", call.k), ("v", call.v))}
     if call.single_head:
         operands = None  # the kernels see 4-D views of 2-D arrays; their layout is the contiguous one
-    pred = hardware.predict(the_plan, causal=causal, window_size=window_size, operands=operands, gpu=gpu)
+    pred = hardware.predict(the_plan, causal=causal, window_size=window_size, operands=operands, gpu=gpu,
+                            block_mask=call.block_mask)
     reductions = f", reductions {_mib(pred.total('reduce_bytes'))}" if pred.total("reduce_bytes") else ""
     lines = [f"on the GPU  sim.hardware ({where}): global memory {_mib(pred.global_bytes)} requested in 32-byte sectors "
              f"(loads {_mib(pred.total('load_bytes'))}, asynchronous copies {_mib(pred.total('async_bytes'))}, stores "

@@ -134,6 +134,8 @@ def test_roofline_follows_the_flops_and_the_dram_bytes():
     (lambda plan: hardware.predict(plan, gpu="H100"), TypeError),
     (lambda plan: hardware.predict(plan, operands={"x": None}), ValueError),
     (lambda plan: hardware.predict(plan, operands={"q": hardware.Operand.contiguous((1, 2, 3), 2)}), ValueError),
+    (lambda plan: hardware.predict(plan, block_mask="causal"), TypeError),
+    (lambda plan: hardware.predict(plan, block_mask=numbaflash.block_mask(causal_mask, 1, 1, 16, 17)), ValueError),
 ])
 def test_bad_arguments_are_refused(call, error):
     plan = tiling.make_plan(1, 1, 1, 16, 16, 16, "float16", device=HOPPER)
@@ -150,3 +152,63 @@ def test_explain_gives_the_gpu_traffic_and_the_bound(monkeypatch):
     assert "FLOP per DRAM byte" in text and ("memory-bound" in text or "compute-bound" in text)
     monkeypatch.setattr(interface, "EXPLAIN_TILE_VISITS", 1)
     assert "not modelled here" in numbaflash.explain(q, q, q)
+
+
+def causal_mask(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx
+
+
+def same_document(b, h, q_idx, kv_idx, doc):
+    return doc[q_idx] == doc[kv_idx]
+
+
+# The kernels the walks model, as (dtype, forward tiles, backward tiles, deterministic); None: the plan's own.
+# CUDA cores, mma.sync, wgmma v3 (cp.async) and v5 (bulk tensor copies), and v5's one-pass atomic dQ.
+BLOCK_MASK_PLANS = {
+    "simt": ("float32", None, None, True),
+    "mma": ("float16", tiling.MMA_TILES[64], tiling.MMA_BACKWARD_TILES[64], True),
+    "wgmma v3": ("float16", tiling.WGMMA_CP_ASYNC_TILES[64], tiling.WgmmaTiles(64, 64, 1), True),
+    "wgmma v5": ("float16", None, None, True),
+    "wgmma v5, atomic dQ": ("float16", None, tiling.WGMMA_BACKWARD_TILES[64], False),
+}
+
+
+@pytest.mark.parametrize("family", BLOCK_MASK_PLANS)
+def test_a_block_mask_equal_to_causal_moves_what_causal_moves(family):
+    """The kernels visit a block mask's non-empty tiles in the order the causal mask's visible ones are
+    visited, so a mask_mod that is causal moves every byte the built-in causal mask moves, in every kernel,
+    with the same FLOPs (bottom-right: the first rows see no key)."""
+    dtype, forward_tiles, backward_tiles, deterministic = BLOCK_MASK_PLANS[family]
+    batch, nheads, nheads_kv, seqlen_q, seqlen_k = 1, 2, 1, 300, 250
+    mask = numbaflash.block_mask(lambda b, h, i, j: j <= i + seqlen_k - seqlen_q, None, None, seqlen_q, seqlen_k)
+    for backward, tiles in ((False, forward_tiles), (True, backward_tiles)):
+        plan = tiling.make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, 64, dtype, backward=backward,
+                                device=HOPPER, tiles=tiles, deterministic=deterministic)
+        causal = hardware.predict(plan, causal=True, gpu=hardware.H100)
+        masked = hardware.predict(plan, block_mask=mask, gpu=hardware.H100)
+        assert masked.kernels == causal.kernels and masked.flops == causal.flops
+        assert masked.global_bytes < hardware.predict(plan, gpu=hardware.H100).global_bytes
+
+
+def test_a_document_mask_loads_only_the_tiles_of_each_document():
+    """v5's forward with 128 x 128 tiles over 4 documents of 128 rows (one head, d = 64): each query block
+    copies its Q box and the K and V boxes of its own document's one tile, 128 rows of 128 bytes each; the
+    FLOPs count each document's 128^2 scores."""
+    seqlen, documents = 512, 4
+    doc = np.arange(seqlen) // (seqlen // documents)
+    mask = numbaflash.block_mask(same_document, None, None, seqlen, seqlen, mod_args=(doc,))
+    plan = tiling.make_plan(1, 1, 1, seqlen, seqlen, 64, "float16", device=HOPPER,
+                            tiles=tiling.WGMMA_MODIFIED_TILES[64])
+    (kernel,) = hardware.predict(plan, block_mask=mask, gpu=hardware.H100).kernels
+    box = 128 * 128
+    assert kernel.tma_bytes == documents * (box + 2 * box)
+    assert hardware.predict(plan, block_mask=mask, gpu=hardware.H100).flops == 4 * 64 * documents * 128 ** 2
+    (dense,) = hardware.predict(plan, gpu=hardware.H100).kernels
+    assert dense.tma_bytes == documents * (box + 2 * documents * box)
+
+
+def test_explain_counts_a_block_masks_tiles_on_the_gpu_line():
+    q = np.random.default_rng(0).standard_normal((1, 64, 1, 32)).astype(np.float16)
+    mask = numbaflash.block_mask(causal_mask, None, None, 64, 64)
+    assert numbaflash.explain(q, q, q, block_mask=mask).split("on the GPU")[1] == \
+        numbaflash.explain(q, q, q, causal=True).split("on the GPU")[1]

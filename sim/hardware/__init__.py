@@ -145,27 +145,35 @@ def _blocks_per_sm(launch, gpu):
     return max(1, min(limits))
 
 
-def predict(plan, *, causal=False, window_size=(-1, -1), operands=None, gpu=None):
+def predict(plan, *, causal=False, window_size=(-1, -1), operands=None, gpu=None, block_mask=None):
     """Global and DRAM bytes of every kernel ``plan`` launches (a `numbaflash.plan(...)`).
 
     ``causal``, ``window_size``: the call's mask. ``operands``: `Operand` layouts by name (q, k, v, out,
     lse, dout, delta, dq, dk, dv) where they are not contiguous; ``gpu``: a `Gpu` (default: the current
-    one, or `H100` without one). Returns a `HardwarePrediction`, one `KernelTraffic` per launch.
+    one, or `H100` without one); ``block_mask``: the call's `numbaflash.block_mask(...)`, whose empty
+    tiles the kernels skip (the reads of its tile tables, a few int32 per tile, are left out). Returns a
+    `HardwarePrediction`, one `KernelTraffic` per launch.
     """
+    from numbaflash.block_sparsity import BlockMask
     from numbaflash.tiling import MmaTiles, Plan, WgmmaTiles
 
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a numbaflash.plan(...) result; got {type(plan).__name__}")
     arguments.flag(causal, "causal")
     left, right = normalize_window(causal, arguments.window(window_size))
+    if block_mask is not None:
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError(f"block_mask must be None or what numbaflash.block_mask(...) returns; got "
+                            f"{type(block_mask).__name__}")
+        block_mask.check_sizes(plan.batch, plan.nheads, plan.seqlen_q, plan.seqlen_k)
     gpu = Gpu.current() if gpu is None else gpu
     if not isinstance(gpu, Gpu):
         raise TypeError(f"gpu must be None or a sim.hardware.Gpu; got {type(gpu).__name__}")
     ops = _operands(plan, operands)
     forward_vec = _vector_staging(plan, ops, ("q", "k", "v"))
     backward_vec = _vector_staging(plan, ops, ("q", "k", "v", "dout"))
-    forward = kernels.Walk(plan, ops, kernels.stager_for(plan, forward_vec), left, right)
-    backward = kernels.Walk(plan, ops, kernels.stager_for(plan, backward_vec), left, right)
+    forward = kernels.Walk(plan, ops, kernels.stager_for(plan, forward_vec), left, right, block_mask)
+    backward = kernels.Walk(plan, ops, kernels.stager_for(plan, backward_vec), left, right, block_mask)
     walks = {
         "forward": lambda ledger: kernels.forward_blocks(forward, ledger),
         "simt_backward_preprocess": lambda ledger: kernels.preprocess_blocks(plan, ops, PREPROCESS_ROWS, ledger),
@@ -183,7 +191,11 @@ def predict(plan, *, causal=False, window_size=(-1, -1), operands=None, gpu=None
         r = ledger.requested
         results.append(KernelTraffic(launch.kernel, r["load"], r["copy"], r["tma"], r["store"], read, written, resident,
                                      r["reduce"]))
-    flops = 4 * plan.headdim * plan.batch * plan.nheads * visible_scores(plan.seqlen_q, plan.seqlen_k, left, right)
+    if block_mask is None:
+        scores = plan.batch * plan.nheads * visible_scores(plan.seqlen_q, plan.seqlen_k, left, right)
+    else:
+        scores = block_mask.visible_scores(left, right, plan.batch, plan.nheads)
+    flops = 4 * plan.headdim * scores
     compute = ("tensor" if isinstance(plan.tiles, (MmaTiles, WgmmaTiles)) else
                "float64" if plan.dtype == "float64" else "float32")
     return HardwarePrediction(gpu, tuple(results), flops * (2.5 if plan.direction == "backward" else 1), compute)

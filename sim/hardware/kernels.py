@@ -188,13 +188,15 @@ def _statistics(ledger, ops, b, h, q0, rows, kind, rows_of):
 @dataclass
 class Walk:
     """What every walk of an attention kernel's grid needs: the plan, the operands (`patterns.Operand` by
-    name), how the kernel stages tiles, and the mask."""
+    name), how the kernel stages tiles, and the mask: the causal/window bounds and, optionally, a
+    `numbaflash.block_sparsity.BlockMask`, whose non-empty tiles are all a kernel visits."""
 
     plan: object
     ops: dict
     stager: Stager
     left: int
     right: int
+    block_mask: object = None
 
     @property
     def seqlens(self):
@@ -219,6 +221,26 @@ class Walk:
                     lo, hi = masks.block_key_range(row_start, row_end, seqlen_q, seqlen_k, self.left, self.right)
                     yield b, h, row_start, row_end, lo, hi
 
+    def key_tiles(self, b, h, row_start, lo, hi):
+        """The first keys of the tiles a query block (forward, dQ) visits, in order (`kernels.key_tiles`):
+        every tile of its visible range ``[lo, hi)``, or the block mask's non-empty ones."""
+        bm, bn = self.plan.tiles.block_m, self.plan.tiles.block_n
+        if self.block_mask is None:
+            return range((lo // bn) * bn, hi, bn)
+        visited = self.block_mask.visited(bm, bn, self.left, self.right)
+        return (np.flatnonzero(visited[_index(visited, 0, b), _index(visited, 1, h), row_start // bm]) * bn).tolist()
+
+    def query_visits(self, b, hk, key_start, q_lo, q_hi):
+        """The (query head, first row) pairs a dK/dV key block visits over its GQA group, heads in order and
+        each head's tiles ascending (`kernels.query_tiles`)."""
+        bk, bq = self.plan.tiles.block_m, self.plan.tiles.block_n
+        heads = range(hk * self.group, (hk + 1) * self.group)
+        if self.block_mask is None:
+            return [(h, q) for h in heads for q in range((q_lo // bq) * bq, q_hi, bq)]
+        visited = self.block_mask.visited(bq, bk, self.left, self.right)
+        return [(h, int(q) * bq) for h in heads
+                for q in np.flatnonzero(visited[_index(visited, 0, b), _index(visited, 1, h), :, key_start // bk])]
+
     def outputs(self, ledger, name, lse, b, h, row0):
         """The block's rows of ``name`` (O, dQ, dK or dV), and of ``lse`` unless None, as its kernel writes them."""
         t, out = self.plan.tiles, self.ops[name]
@@ -229,15 +251,22 @@ class Walk:
             _simt_outputs(ledger, self.plan, out, lse, b, h, row0, name)
 
 
+def _index(table, axis, i):
+    """``i`` on a block mask's batch or head axis, which has length 1 where the mask does not depend on it."""
+    return i if table.shape[axis] > 1 else 0
+
+
 def forward_blocks(walk, ledger):
-    """Every forward kernel: Q once, K and V per visible key tile, O and LSE once (`kernels.*.forward`)."""
+    """Every forward kernel: Q once, K and V per visited key tile, O and LSE once (`kernels.*.forward`); a
+    block that visits none writes its rows as hidden."""
     bm, bn = walk.plan.tiles.block_m, walk.plan.tiles.block_n
     for b, h, row_start, row_end, lo, hi in walk.query_blocks(ledger):
-        if lo >= hi:
+        tiles = walk.key_tiles(b, h, row_start, lo, hi) if lo < hi else ()
+        if len(tiles) == 0:
             _hidden(ledger, walk.ops, b, h, row_start, row_end)
             continue
         walk.stager.stage(ledger, "q", walk.ops["q"], b, h, row_start, bm)
-        for n in range((lo // bn) * bn, hi, bn):
+        for n in tiles:
             walk.stager.stage(ledger, "k", walk.ops["k"], b, h // walk.group, n, bn)
             walk.stager.stage(ledger, "v", walk.ops["v"], b, h // walk.group, n, bn)
         walk.outputs(ledger, "out", "lse", b, h, row_start)
@@ -264,8 +293,8 @@ def preprocess_blocks(plan, ops, rows_per_block, ledger):
 
 
 def dkdv_blocks(walk, ledger, accumulate_dq=False):
-    """The dK/dV kernels: K and V of a key block once; Q, dO, LSE and D of every query tile that sees it,
-    for every head of the GQA group (the CUDA-core kernel stages Q and dO twice, k-major then row-major);
+    """The dK/dV kernels: K and V of a key block once; Q, dO, LSE and D of every query tile it visits (that
+    sees it, or the block mask's), for every head of the GQA group (the CUDA-core kernel stages Q and dO twice, k-major then row-major);
     with ``accumulate_dq`` (v5's ``dkdv_dq``) also each query tile's dS K added to ``dq_acc``."""
     t, ops = walk.plan.tiles, walk.ops
     seqlen_q, seqlen_k = walk.seqlens
@@ -284,17 +313,17 @@ def dkdv_blocks(walk, ledger, accumulate_dq=False):
                 ledger.start_block()
                 q_lo, q_hi = masks.query_range(key_start, min(key_start + bk, seqlen_k), seqlen_q, seqlen_k,
                                                walk.left, walk.right)
-                if q_lo < q_hi:
+                visits = walk.query_visits(b, hk, key_start, q_lo, q_hi) if q_lo < q_hi else ()
+                if visits:
                     walk.stager.stage(ledger, "k", ops["k"], b, hk, key_start, bk)
                     walk.stager.stage(ledger, "v", ops["v"], b, hk, key_start, bk)
-                    for h in range(hk * walk.group, (hk + 1) * walk.group):
-                        for q_start in range((q_lo // bq) * bq, q_hi, bq):
-                            for _ in range(1 if mma else 2):
-                                walk.stager.stage(ledger, "q", ops["q"], b, h, q_start, bq)
-                                walk.stager.stage(ledger, "dout", ops["dout"], b, h, q_start, bq)
-                            _statistics(ledger, ops, b, h, q_start, bq, "dkdv", rows_of)
-                            if accumulate_dq:
-                                _reduce_dq(ledger, ops["dq_acc"], b, h, q_start, bq)
+                    for h, q_start in visits:
+                        for _ in range(1 if mma else 2):
+                            walk.stager.stage(ledger, "q", ops["q"], b, h, q_start, bq)
+                            walk.stager.stage(ledger, "dout", ops["dout"], b, h, q_start, bq)
+                        _statistics(ledger, ops, b, h, q_start, bq, "dkdv", rows_of)
+                        if accumulate_dq:
+                            _reduce_dq(ledger, ops["dq_acc"], b, h, q_start, bq)
                 walk.outputs(ledger, "dk", None, b, hk, key_start)
                 walk.outputs(ledger, "dv", None, b, hk, key_start)
 
@@ -334,7 +363,7 @@ def dq_postprocess_blocks(plan, ops, rows_per_block, ledger):
 
 
 def dq_blocks(walk, ledger):
-    """The dQ kernels: Q, dO, LSE and D of a query block once; K and V of every visible key tile (the
+    """The dQ kernels: Q, dO, LSE and D of a query block once; K and V of every visited key tile (the
     CUDA-core kernel stages K twice, k-major then row-major)."""
     t, ops = walk.plan.tiles, walk.ops
     bm, bn = t.block_m, t.block_n
@@ -346,11 +375,12 @@ def dq_blocks(walk, ledger):
         r, c = patterns.simt_lanes(t.threads, t.cols_t)
         rows_of = lambda q0: np.concatenate([q0 + r * t.thread_m + a for a in range(t.thread_m)])
     for b, h, row_start, row_end, lo, hi in walk.query_blocks(ledger):
-        if lo < hi:
+        tiles = walk.key_tiles(b, h, row_start, lo, hi) if lo < hi else ()
+        if len(tiles):
             walk.stager.stage(ledger, "q", ops["q"], b, h, row_start, bm)
             walk.stager.stage(ledger, "dout", ops["dout"], b, h, row_start, bm)
             _statistics(ledger, ops, b, h, row_start, bm, "dq", rows_of)
-            for n in range((lo // bn) * bn, hi, bn):
+            for n in tiles:
                 for _ in range(1 if mma else 2):
                     walk.stager.stage(ledger, "k", ops["k"], b, h // walk.group, n, bn)
                 walk.stager.stage(ledger, "v", ops["v"], b, h // walk.group, n, bn)
