@@ -12,8 +12,9 @@ measure_io.png (predicted against measured) under --out.
 The grid: forward and backward, causal and not, headdim 64 and 128, N = 1024, 4096 and 16384 with
 batch x N = 16384 and 16 heads (the CUDA-core family at batch x N = 4096 and 4 heads, N <= 4096: its
 fp32 kernels run 20x slower, and every kernel runs several times under ncu), one GQA case (16 query
-heads on 4 kv heads) and one odd case (N = 1000, headdim 40, causal) per family and direction. Families: ``simt`` (float32, CUDA cores),
-``mma`` (float16, mma.sync) and ``wgmma`` (float16, the Hopper forward; it has no backward).
+heads on 4 kv heads), one odd case (N = 1000, headdim 40, causal) and one block mask (8 documents,
+causal inside each, N = 4096, headdim 64) per family and direction. Families: ``simt`` (float32, CUDA
+cores), ``mma`` (float16, mma.sync, on a Hopper GPU too) and ``wgmma`` (float16, the Hopper kernels).
 
 Backward calls run on random ``out`` and finite ``lse``: the kernels' memory traffic does not depend on
 the values, and no forward launch gets between ncu and the kernels measured.
@@ -52,7 +53,7 @@ def grid(families, quick):
     for family in families:
         seqlens = (1024, 4096) if family == "simt" or quick else (1024, 4096, 16384)
         tokens, nheads = (4096, 4) if family == "simt" else (TOKENS, NHEADS)
-        for backward in ((False,) if family == "wgmma" else (False, True)):
+        for backward in (False, True):
             for headdim in (64, 128):
                 for seqlen in seqlens:
                     for causal in (False, True):
@@ -64,7 +65,29 @@ def grid(families, quick):
             # A partial last tile, a causal diagonal and a padded head dim whose 80-byte rows straddle sectors.
             cases.append(dict(family=family, backward=backward, headdim=40, seqlen=1000, causal=True,
                               batch=max(1, tokens // 1000), nheads=nheads, nheads_kv=nheads))
-    return cases
+            cases.append(dict(family=family, backward=backward, headdim=64, seqlen=4096, causal=False,
+                              batch=max(1, tokens // 4096), nheads=nheads, nheads_kv=nheads, documents=DOCUMENTS))
+    return [dict(case, documents=case.get("documents", 0)) for case in cases]  # one set of columns for the CSV
+
+
+DOCUMENTS = 8
+
+
+def same_document_causal(b, h, q_idx, kv_idx, doc):
+    return doc[0, q_idx] == doc[0, kv_idx] and kv_idx <= q_idx
+
+
+def documents_of(case):
+    """``(doc, block mask)`` of a case with documents (equal ones, causal inside each; host ids), else None."""
+    import numpy as np
+
+    import numbaflash
+
+    if not case["documents"]:
+        return None
+    n = case["seqlen"]
+    doc = (np.arange(n, dtype=np.int32) // (n // case["documents"]))[None]
+    return doc, numbaflash.block_mask(same_document_causal, None, None, n, n, mod_args=(doc,))
 
 
 def dtype_of(family):
@@ -77,10 +100,12 @@ def plan_of(case):
 
     headdim, backward = case["headdim"], case["backward"]
     tiles = None
-    if case["family"] == "mma" and not backward:
-        tiles = tiling.MMA_TILES[tiling.mma_headdim_bucket(headdim)]
+    if case["family"] == "mma":  # on a Hopper GPU the plans run wgmma
+        bucket = tiling.mma_headdim_bucket(headdim)
+        tiles = tiling.MMA_BACKWARD_TILES[bucket] if backward else tiling.MMA_TILES[bucket]
     plan = tiling.make_plan(case["batch"], case["nheads"], case["nheads_kv"], case["seqlen"], case["seqlen"], headdim,
-                            dtype_of(case["family"]), backward=backward, tiles=tiles)
+                            dtype_of(case["family"]), backward=backward, tiles=tiles,
+                            modified=bool(case["documents"]))
     family = ("wgmma" if isinstance(plan.tiles, tiling.WgmmaTiles) else
               "mma" if isinstance(plan.tiles, tiling.MmaTiles) else "simt")
     if family != case["family"]:
@@ -103,13 +128,17 @@ def worker(cases_path):
         q = cupy.random.standard_normal((b, n, h, d), dtype=cupy.float32).astype(dtype)
         k = cupy.random.standard_normal((b, n, hk, d), dtype=cupy.float32).astype(dtype)
         v = cupy.random.standard_normal((b, n, hk, d), dtype=cupy.float32).astype(dtype)
+        documents = documents_of(case)
+        options = dict(causal=case["causal"], plan=plan)
+        if documents is not None:
+            options.update(block_mask=documents[1], mod_args=(cupy.asarray(documents[0]),))
         if case["backward"]:
             out = cupy.random.standard_normal(q.shape, dtype=cupy.float32).astype(dtype)
             dout = cupy.random.standard_normal(q.shape, dtype=cupy.float32).astype(dtype)
             lse = cupy.full((b, h, n), float(n), dtype=cupy.float32)
-            numbaflash.attention_backward(dout, q, k, v, out, lse, causal=case["causal"], plan=plan)
+            numbaflash.attention_backward(dout, q, k, v, out, lse, **options)
         else:
-            numbaflash.attention(q, k, v, causal=case["causal"], plan=plan)
+            numbaflash.attention(q, k, v, **options)
         cupy.cuda.Device().synchronize()
 
 
@@ -146,7 +175,9 @@ def compare(cases, launches):
     results, i = [], 0
     for case in cases:
         plan = plan_of(case)
-        predicted = hardware.predict(plan, causal=case["causal"], gpu=gpu)
+        documents = documents_of(case)
+        predicted = hardware.predict(plan, causal=case["causal"], gpu=gpu,
+                                     block_mask=None if documents is None else documents[1])
         for traffic in predicted.kernels:
             if i >= len(launches):
                 raise SystemExit(f"ncu reported {len(launches)} kernels; the grid launches more")
@@ -178,6 +209,10 @@ def _ratio(pred, meas):
     return f"{pred / meas:.3f}"
 
 
+def _mask(row):
+    return f"{row['documents']} docs" if row["documents"] else "causal" if row["causal"] else "-"
+
+
 def table(results):
     """The comparison, one line per kernel launch, in MB (10^6 bytes); ratio = predicted / measured."""
     lines = [f"{'family':6} {'pass':4} {'d':>3} {'N':>5} {'mask':6} {'heads':>5} {'kernel':26} "
@@ -187,7 +222,7 @@ def table(results):
         d_pred, d_meas = _total(r, "pred", DRAM), _total(r, "meas", DRAM)
         mb = lambda x: "n/a" if x is None else f"{x / 1e6:.2f}"
         lines.append(f"{r['family']:6} {'bwd' if r['backward'] else 'fwd':4} {r['headdim']:>3} {r['seqlen']:>5} "
-                     f"{'causal' if r['causal'] else '-':6} {r['nheads']:>2}/{r['nheads_kv']:<2} {r['kernel']:26} "
+                     f"{_mask(r):6} {r['nheads']:>2}/{r['nheads_kv']:<2} {r['kernel']:26} "
                      f"{mb(g_pred):>11} {mb(g_meas):>9} {_ratio(g_pred, g_meas):>6}  "
                      f"{mb(d_pred):>9} {mb(d_meas):>9} {_ratio(d_pred, d_meas):>6}")
     return "\n".join(lines)
