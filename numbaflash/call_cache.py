@@ -52,11 +52,10 @@ def _modifications(modifications, kind):
     get = modifications.get
     softcap, slopes, mod_args, block = get("softcap", 0.0), get("alibi_slopes"), get("mod_args", ()), get("block_mask")
     functions = (get("score_mod"), get("score_mod_grad"), get("mask_mod"))
-    if functions == _NO_FUNCTIONS and slopes is None and block is None and mod_args == () and softcap == 0.0 \
-            and type(softcap) is float and type(mod_args) is tuple:
-        return _PLAIN, []  # the common call: nothing to describe
     if type(softcap) is not float or type(mod_args) is not tuple or not (block is None or type(block) is BlockMask):
         return None
+    if functions == _NO_FUNCTIONS and slopes is None and block is None and not mod_args and softcap == 0.0:
+        return _PLAIN, []  # the common call: nothing to describe
     if any(f is not None and type(f) is not types.FunctionType for f in functions):
         return None
     given = ((slopes,) if slopes is not None else ()) + mod_args
