@@ -346,6 +346,28 @@ def same_document_causal(b, h, q_idx, kv_idx, doc):
     return doc[0, q_idx] == doc[0, kv_idx] and kv_idx <= q_idx
 
 
+def test_a_block_mask_counts_its_tiles_in_memory_for_the_counts_alone():
+    """Classifying a mask over 2048 x 2048 scores keeps only the 16 x 16 tiles' counts (65 KB) beside the mask's
+    rows' ranges; the boolean array of every score it built before, and its int64 copy, took 36 MB. The FLOPs
+    `sim.hardware` counts come from the same loop: every visible score of each document, causal inside it."""
+    import tracemalloc
+
+    seqlen = 2048
+    doc = (np.arange(seqlen) // 256).astype(np.int32)[None]
+    numbaflash.block_mask(same_document_causal, None, None, 64, 64, mod_args=(doc[:, :64],)).classify(16, 16)  # compiles
+    bm = numbaflash.block_mask(same_document_causal, None, None, seqlen, seqlen, mod_args=(doc,))
+    tracemalloc.start()
+    try:
+        bm.classify(128, 128)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * 2 ** 20, peak
+    assert bm.visible_scores(-1, -1, 3, 2) == 3 * 2 * 8 * (256 * 257 // 2)
+    assert bm.visible_scores(-1, 0, 1, 1) == 8 * (256 * 257 // 2)  # causal on top changes nothing here
+    assert bm.visible_scores(3, 0, 1, 1) == 8 * (4 * 256 - 6)  # a window of 4 keys: 1 + 2 + 3 + 4 x 253 per document
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(block_mask="dense"), TypeError, "block_mask must be None or what numbaflash.block_mask"),
     (dict(block_mask=("wrong sizes",)), TypeError, "block_mask must be None"),
