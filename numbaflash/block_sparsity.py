@@ -14,8 +14,10 @@ tile adds exact zeros to the gradients, so a deterministic backward's are the de
 The causal/window mask of the call is applied on top: a tile outside it is skipped as it always was.
 """
 
+import contextlib
 import functools
 import numbers
+import threading
 
 import numpy as np
 
@@ -23,6 +25,12 @@ from . import _arrays, masks, mods
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 FINE = 16  # the tiles the mask's counts are kept at; kernel tiles that are multiples of it (all of today's) sum them
+# Masks of at least this many scores are counted on every core: compiling the parallel loop costs about a
+# second more, which small masks (the tests') need not pay.
+PARALLEL_SCORES = 2 ** 24
+# Numba's workqueue threading layer (where neither TBB nor OpenMP is installed) aborts the process when two
+# Python threads run parallel code at once: one count at a time.
+_PARALLEL_LOCK = threading.Lock()
 
 
 class BlockMask:
@@ -71,8 +79,10 @@ class BlockMask:
                            for i in range(self.seqlen_q)], dtype=np.int64).reshape(-1, 2)
         counts = np.zeros((self.batch or 1, self.nheads or 1, -(-self.seqlen_q // rows), -(-self.seqlen_k // cols)),
                           np.int32)
-        _counting_loop(self.mask_mod)(counts, rows, cols, ranges[:, 0].copy(), ranges[:, 1].copy(),
-                                      tuple(np.asarray(a) for a in self.mod_args))
+        parallel = counts.size * rows * cols >= PARALLEL_SCORES
+        with _PARALLEL_LOCK if parallel else contextlib.nullcontext():
+            _counting_loop(self.mask_mod, parallel)(counts, rows, cols, ranges[:, 0].copy(), ranges[:, 1].copy(),
+                                                    tuple(np.asarray(a) for a in self.mod_args))
         return counts
 
     def _fine_counts(self):
@@ -145,7 +155,7 @@ class BlockMask:
         ``batch`` and ``nheads`` (a shared axis counts for each): `sim.hardware`'s FLOPs. The mask is evaluated
         again on the host over the window's scores, once per window."""
         if (left, right) not in self._scores:
-            self._scores[left, right] = self._counts(self.seqlen_q, self.seqlen_k, left, right).sum(axis=(2, 3))
+            self._scores[left, right] = self._counts(FINE, self.seqlen_k, left, right).sum(axis=(2, 3))
         count = self._scores[left, right]
         return int(count.sum()) * (batch // count.shape[0]) * (nheads // count.shape[1])
 
@@ -167,24 +177,26 @@ def _tile_counts(values, rows, cols):
 
 
 @functools.lru_cache(maxsize=None)
-def _counting_loop(mask_mod):
+def _counting_loop(mask_mod, parallel):
     """A Numba loop adding to ``counts[b, h, i // rows, j // cols]`` each score ``mask_mod(b, h, i, j, *args)`` shows
-    among the keys ``[lo[i], hi[i])`` of row ``i``, tile column by tile column (no division per score)."""
+    among the keys ``[lo[i], hi[i])`` of row ``i``, tile column by tile column (no division per score); with
+    ``parallel``, the rows of tiles run on every core (each owns its row of counts)."""
     import numba
 
     f = numba.njit(mask_mod)
 
-    @numba.njit
+    @numba.njit(parallel=parallel)
     def count(counts, rows, cols, lo, hi, args):
         for b in range(counts.shape[0]):
             for h in range(counts.shape[1]):
-                for i in range(lo.shape[0]):
-                    for tile in range(lo[i] // cols, (hi[i] + cols - 1) // cols):
-                        seen = 0
-                        for j in range(max(lo[i], tile * cols), min(hi[i], tile * cols + cols)):
-                            if f(b, h, i, j, *args):
-                                seen += 1
-                        counts[b, h, i // rows, tile] += seen
+                for row_tile in numba.prange(counts.shape[2]):
+                    for i in range(row_tile * rows, min(lo.shape[0], row_tile * rows + rows)):
+                        for tile in range(lo[i] // cols, (hi[i] + cols - 1) // cols):
+                            seen = 0
+                            for j in range(max(lo[i], tile * cols), min(hi[i], tile * cols + cols)):
+                                if f(b, h, i, j, *args):
+                                    seen += 1
+                            counts[b, h, row_tile, tile] += seen
 
     return count
 
@@ -210,7 +222,7 @@ def block_mask(mask_mod, batch, nheads, seqlen_q, seqlen_k, *, mod_args=()):
             host once); the call passes the same arrays in its own ``mod_args``.
 
     The mask is evaluated on the host, on every score of one (batch or 1) x (nheads or 1) grid, once, when
-    a kernel first asks for its tiles: 0.4 s for 2^28 scores of a document mask on this project's CPU machine.
+    a kernel first asks for its tiles: 0.13 s for 2^28 scores of a document mask on this project's 2-core CPU machine.
     """
     batch, nheads = _size(batch, "batch", optional=True), _size(nheads, "nheads", optional=True)
     seqlen_q, seqlen_k = _size(seqlen_q, "seqlen_q"), _size(seqlen_k, "seqlen_k")

@@ -330,9 +330,12 @@ def test_a_block_masked_backward_skips_empty_tiles_in_both_passes(family, arrays
                 np.testing.assert_allclose(s.astype(np.float32), d.astype(np.float32), rtol=2 ** -7, atol=2 ** -12)
 
 
-def test_block_classes_summed_from_the_fine_tiles_match_the_mask_evaluated_for_each_shape():
+@pytest.mark.parametrize("parallel", [False, True])
+def test_block_classes_summed_from_the_fine_tiles_match_the_mask_evaluated_for_each_shape(parallel, monkeypatch):
     """`BlockMask.classify` evaluates the mask once and sums 16 x 16 tiles; a shape it cannot sum (24 rows)
-    evaluates the mask again: both agree with counting the visible scores of each tile directly."""
+    evaluates the mask again: both agree with counting the visible scores of each tile directly, counted on one
+    core or (as masks of 2^24 scores and more are) on every core."""
+    monkeypatch.setattr(block_sparsity, "PARALLEL_SCORES", 0 if parallel else 2 ** 62)
     doc = np.repeat(np.arange(3), [20, 33, 47]).astype(np.int32)[None]
     bm = numbaflash.block_mask(same_document_causal, None, None, 100, 100, mod_args=(doc,))
     visible = reference.visible_mask(100, 100) & (doc[0][:, None] == doc[0][None, :]) & np.tri(100, dtype=bool)
@@ -342,6 +345,7 @@ def test_block_classes_summed_from_the_fine_tiles_match_the_mask_evaluated_for_e
                         np.where(counts == rows * cols, block_sparsity.FULL, block_sparsity.PARTIAL))
         assert np.array_equal(bm.classify(rows, cols), want), (rows, cols)
     assert {block_sparsity.EMPTY, block_sparsity.PARTIAL, block_sparsity.FULL} <= set(np.unique(bm.classify(16, 16)))
+    assert bm.visible_scores(-1, -1, 1, 1) == int(visible.sum())
 
 
 def same_document_causal(b, h, q_idx, kv_idx, doc):
