@@ -75,14 +75,14 @@ class BlockMask:
         """Scores the mask_mod shows per ``rows`` x ``cols`` tile, among those the window ``(left, right)`` shows:
         int32 ``(batch or 1, nheads or 1, cdiv(seqlen_q, rows), cdiv(seqlen_k, cols))``, counted as the mask is
         evaluated (memory for the counts alone: a boolean array of every score took 9 bytes a score)."""
-        ranges = np.array([masks.key_range(i, self.seqlen_q, self.seqlen_k, left, right)
-                           for i in range(self.seqlen_q)], dtype=np.int64).reshape(-1, 2)
+        lo, hi = np.array([masks.key_range(i, self.seqlen_q, self.seqlen_k, left, right)
+                           for i in range(self.seqlen_q)], dtype=np.int64).T.copy()
         counts = np.zeros((self.batch or 1, self.nheads or 1, -(-self.seqlen_q // rows), -(-self.seqlen_k // cols)),
                           np.int32)
         parallel = counts.size * rows * cols >= PARALLEL_SCORES
         with _PARALLEL_LOCK if parallel else contextlib.nullcontext():
-            _counting_loop(self.mask_mod, parallel)(counts, rows, cols, ranges[:, 0].copy(), ranges[:, 1].copy(),
-                                                    tuple(np.asarray(a) for a in self.mod_args))
+            args = tuple(np.asarray(a) for a in self.mod_args)
+            _counting_loop(self.mask_mod, parallel)(counts, rows, cols, lo, hi, args)
         return counts
 
     def _fine_counts(self):

@@ -42,7 +42,6 @@ def key(ops, causal, softmax_scale, window_size, modifications, backward):
 
 _NO_FUNCTIONS = (None, None, None)
 _PLAIN = (0.0, False, _NO_FUNCTIONS, None, ())
-_MODULES = {"torch": "torch", "cupy": "cupy", "numpy": "numpy"}  # an Operand's kind -> its arrays' module
 
 
 def _modifications(modifications, kind):
@@ -59,7 +58,7 @@ def _modifications(modifications, kind):
     if any(f is not None and type(f) is not types.FunctionType for f in functions):
         return None
     given = ((slopes,) if slopes is not None else ()) + mod_args
-    if any(_arrays.library(type(x)) != _MODULES.get(kind) for x in given):
+    if any(_arrays.library(type(x)) != kind for x in given):  # q's kind names its library (but "cai")
         return None
     try:
         arrays = [_arrays.describe(x, "") for x in given]
