@@ -346,12 +346,13 @@ def kernel_for(plan, launch, modified=NONE):
                            modified)
 
 
-def _launch(plan, index, stream, modified, *args, grid=None):
-    """Launch ``plan.launches[index]`` (on ``grid`` instead of its own, if given)."""
+def _launch(plan, index, stream, modified, *args, grid=None, layout=None):
+    """Launch ``plan.launches[index]`` (on ``grid`` instead of its own, if given); ``layout``: a dict kept for
+    this layout of the arguments (`compiled.Kernel.launch`), or None."""
     launch = plan.launches[index]
     kernel = kernel_for(plan, launch, modified)
     try:
-        kernel.launch(grid or launch.grid, launch.threads, launch.smem_bytes, stream, *args)
+        kernel.launch(grid or launch.grid, launch.threads, launch.smem_bytes, stream, *args, layout=layout)
     except NumbaError as error:
         if not modified.user_functions:
             raise
@@ -378,7 +379,7 @@ def run_forward(call, plan, out, lse):
     mod_values = call.mod_values
     if call.mods.block_sparse:
         mod_values = (call.block_mask.key_tiles(plan.block_m, plan.block_n, call.left, call.right, call.q),) + mod_values
-    _launch(plan, 0, _arrays.stream_of(call.q), call.mods, *args, mod_values)
+    _launch(plan, 0, _arrays.stream_of(call.q), call.mods, *args, mod_values, layout=call.memo)
 
 
 def run_backward(call, plan, dout, lse, out, delta, dq, dk, dv, preprocess=None):
@@ -388,10 +389,18 @@ def run_backward(call, plan, dout, lse, out, delta, dq, dk, dv, preprocess=None)
     where it reads other views than the others: a varlen call's packed rows as one batch element."""
     stream = _arrays.stream_of(call.q)
     q, k, v = call.q, call.k, call.v
-    vec = vector_staging(plan, q, k, v, dout)
+    # The caller's dout, out and lse have q's shapes but strides and alignment of their own: launches keep
+    # their packed values per layout of those too.
+    if call.memo is None:
+        layout, vec = None, vector_staging(plan, q, k, v, dout)
+    else:
+        layout = call.remembered(("arrays", dout.strides, dout.ptr % 16, out.strides, lse.strides), dict)
+        if ("staging", plan.tiles) not in layout:
+            layout["staging", plan.tiles] = vector_staging(plan, q, k, v, dout)
+        vec = layout["staging", plan.tiles]
     extra = (_scale_arg(call), call.left, call.right, vec)
     if preprocess is None:
-        _launch(plan, 0, stream, NONE, out, dout, delta)
+        _launch(plan, 0, stream, NONE, out, dout, delta, layout=layout)
     else:
         _launch(plan, 0, stream, NONE, *preprocess[:3], grid=preprocess[3])
     maps = ((), ())
@@ -409,11 +418,12 @@ def run_backward(call, plan, dout, lse, out, delta, dq, dk, dv, preprocess=None)
     if plan.dq_strategy == "atomic":
         dq_acc = _arrays.describe(_arrays.zeros(q, plan.dq_acc_shape, "float32"), "dq_acc")
         _launch(plan, 1, stream, call.mods, q, k, v, dout, lse, delta, dk, dv, dq_acc, *extra, *maps[0],
-                key_pass_mods)
-        _launch(plan, 2, stream, NONE, dq_acc, dq, np.float32(call.softmax_scale))
+                key_pass_mods, layout=layout)
+        _launch(plan, 2, stream, NONE, dq_acc, dq, np.float32(call.softmax_scale), layout=layout)
         return
-    _launch(plan, 1, stream, call.mods, q, k, v, dout, lse, delta, dk, dv, *extra, *maps[0], key_pass_mods)
-    _launch(plan, 2, stream, call.mods, q, k, v, dout, lse, delta, dq, *extra, *maps[1], dq_pass_mods)
+    _launch(plan, 1, stream, call.mods, q, k, v, dout, lse, delta, dk, dv, *extra, *maps[0], key_pass_mods,
+            layout=layout)
+    _launch(plan, 2, stream, call.mods, q, k, v, dout, lse, delta, dq, *extra, *maps[1], dq_pass_mods, layout=layout)
 
 
 def _check_like(op, want, name, like_name):

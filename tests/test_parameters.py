@@ -50,3 +50,18 @@ def test_arguments_land_at_their_parameters_offsets():
 def test_a_kernel_whose_parameters_differ_from_its_signature_is_refused():
     with pytest.raises(RuntimeError, match="takes 3 parameters, its signature gives 26"):
         parameters.Packer(SIGNATURE, [0, 8, 16])
+
+
+def test_a_remembered_layout_packs_what_a_full_pack_does():
+    # A layout's later launches write only addresses and scalars into the kept values: other arrays of the
+    # same shapes and strides, and other scalars, must pack to the bytes of a full pack.
+    offsets = natural_offsets([8] * 13 + [4, 1, 8] + [8] * 9 + [8])
+    packer = parameters.Packer(SIGNATURE, offsets)
+    layout = {}
+    for value in (0.75, -1.5):
+        q = np.zeros((2, 3, 4, 8), np.uint16)[:, :, :, ::2]
+        table = np.arange(6, dtype=np.int32).reshape(2, 3)
+        args = (_arrays.describe(q, "q"), value, value > 0, int(4 * value), (_arrays.describe(table, "table"), 2 * value))
+        remembered = bytes(packer.pack(args, layout)[0])
+        assert remembered == bytes(packer.pack(args)[0])
+    assert list(layout) == [packer]

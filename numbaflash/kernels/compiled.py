@@ -68,11 +68,12 @@ class Kernel:
         # device ordinal -> (cuda.bindings CUkernel handle, with its dynamic shared memory raised; `parameters.Packer`)
         self._functions = {}
 
-    def launch(self, grid, threads, smem_bytes, stream, *args):
+    def launch(self, grid, threads, smem_bytes, stream, *args, layout=None):
         """Run on ``grid`` blocks of ``threads`` threads with ``smem_bytes`` of dynamic shared memory, on
         ``stream`` (an `_arrays.Stream`); array arguments are `_arrays.Operand`s (viewed as the kernel's
         dtype: float16 and bfloat16 as uint16 bits where it takes them so), scalars numbers, a tuple
-        argument a tuple of those."""
+        argument a tuple of those. ``layout``: a dict kept for one layout of the arguments, where a launch
+        keeps its packed values for the next (`parameters.Packer.pack`)."""
         if SIMULATOR:
             views = [_simulator_view(t, a) for t, a in zip(self.signature, args)]
             # The simulator's block manager busy-polls its threads; under Python's default 5 ms switch
@@ -85,7 +86,7 @@ class Kernel:
                 sys.setswitchinterval(previous)
             return
         function, packer = self._function(stream.device, smem_bytes)
-        parameters.launch(function, grid, threads, smem_bytes, stream.handle, packer, args)
+        parameters.launch(function, grid, threads, smem_bytes, stream.handle, packer, args, layout)
 
     @functools.cached_property
     def dispatcher(self):
