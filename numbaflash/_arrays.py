@@ -67,6 +67,15 @@ def _dtype_name(dtype):
     return str(dtype).replace("torch.", "")
 
 
+@functools.lru_cache(maxsize=None)
+def _torch_dtype(dtype):
+    """A torch dtype's name and bytes, worked out once: `describe` asked each tensor for both (element_size(),
+    str(dtype)), two of its seven calls into torch."""
+    import torch
+
+    return _dtype_name(dtype), torch.empty(0, dtype=dtype).element_size()
+
+
 @functools.lru_cache(maxsize=None)  # a dictionary lookup per operand instead of string splitting
 def library(cls):
     """The top-level module of an array type ("torch", "cupy", "numpy", ...)."""
@@ -83,11 +92,12 @@ def describe(x, name):
     """An `Operand` for a user array; TypeError for anything numbaflash cannot read."""
     module = library(type(x))
     if module == "torch":
-        if not x.is_cuda:
+        device = x.get_device()  # -1 off the GPU; one call where is_cuda and then get_device were two
+        if device < 0:
             raise TypeError(f"{name} is a torch tensor on {x.device}: numbaflash runs on CUDA tensors")
-        itemsize = x.element_size()
-        return Operand(x, "torch", tuple(x.shape), tuple([s * itemsize for s in x.stride()]), _dtype_name(x.dtype),
-                       x.get_device(), x.data_ptr())
+        dtype, itemsize = _torch_dtype(x.dtype)
+        return Operand(x, "torch", tuple(x.shape), tuple([s * itemsize for s in x.stride()]), dtype, device,
+                       x.data_ptr())
     if isinstance(x, np.ndarray):
         if not SIMULATOR:
             raise TypeError(
