@@ -379,7 +379,8 @@ def run_forward(call, plan, out, lse):
     mod_values = call.mod_values
     if call.mods.block_sparse:
         mod_values = (call.block_mask.key_tiles(plan.block_m, plan.block_n, call.left, call.right, call.q),) + mod_values
-    _launch(plan, 0, _arrays.stream_of(call.q), call.mods, *args, mod_values, layout=call.memo)
+    layout = call.remembered("launches", dict)  # the launch's packed values, for the next call of this layout
+    _launch(plan, 0, _arrays.stream_of(call.q), call.mods, *args, mod_values, layout=layout)
 
 
 def run_backward(call, plan, dout, lse, out, delta, dq, dk, dv, preprocess=None):
@@ -389,15 +390,11 @@ def run_backward(call, plan, dout, lse, out, delta, dq, dk, dv, preprocess=None)
     where it reads other views than the others: a varlen call's packed rows as one batch element."""
     stream = _arrays.stream_of(call.q)
     q, k, v = call.q, call.k, call.v
-    # The caller's dout, out and lse have q's shapes but strides and alignment of their own: launches keep
-    # their packed values per layout of those too.
-    if call.memo is None:
-        layout, vec = None, vector_staging(plan, q, k, v, dout)
-    else:
-        layout = call.remembered(("arrays", dout.strides, dout.ptr % 16, out.strides, lse.strides), dict)
-        if ("staging", plan.tiles) not in layout:
-            layout["staging", plan.tiles] = vector_staging(plan, q, k, v, dout)
-        vec = layout["staging", plan.tiles]
+    # The caller's dout, out and lse have q's shapes but strides and alignment of their own: what depends on
+    # them is kept per layout of those too.
+    vec = call.remembered(("staging", plan.tiles, dout.strides, dout.ptr % 16),
+                          lambda: vector_staging(plan, q, k, v, dout))
+    layout = call.remembered(("launches", dout.strides, dout.ptr % 16, out.strides, lse.strides), dict)
     extra = (_scale_arg(call), call.left, call.right, vec)
     if preprocess is None:
         _launch(plan, 0, stream, NONE, out, dout, delta, layout=layout)

@@ -73,15 +73,12 @@ def grid(families, quick):
 DOCUMENTS = 8
 
 
-def same_document_causal(b, h, q_idx, kv_idx, doc):
-    return doc[0, q_idx] == doc[0, kv_idx] and kv_idx <= q_idx
-
-
 def documents_of(case):
     """``(doc, block mask)`` of a case with documents (equal ones, causal inside each; host ids), else None."""
     import numpy as np
 
     import numbaflash
+    from bench_mods import same_document_causal
 
     if not case["documents"]:
         return None

@@ -10,6 +10,7 @@ parameters on its own, 25-37 microseconds per launch on the H100's host, more th
 
 import ctypes
 import functools
+import itertools
 import math
 import struct
 import threading
@@ -40,20 +41,16 @@ def flat_values(args, values):
             values.append(a)
 
 
-def _codes(signature):
-    """One struct code per flattened parameter of the kernel's ABI."""
-    codes = []
-    for t in flat_types(signature):
-        codes += ["q"] * (5 + 2 * t.ndim) if isinstance(t, types.Array) else [_CODES[t]]
-    return codes
-
-
 class Packer:
     """Packs a launch's arguments into the parameter buffer of a kernel with ``signature``, at the ``offsets``
     (bytes) the driver gives for its parameters (cuFuncGetParamInfo; cuda.core's ``Kernel.arguments_info``)."""
 
     def __init__(self, signature, offsets):
-        codes = _codes(signature)
+        flat = list(flat_types(signature))
+        # An array is 5 + 2 ndim 8-byte members (numba's ABI), a scalar its C type.
+        sizes = [5 + 2 * t.ndim if isinstance(t, types.Array) else 1 for t in flat]
+        codes = [code for t, n in zip(flat, sizes)
+                 for code in (["q"] * n if isinstance(t, types.Array) else [_CODES[t]])]
         if len(codes) != len(offsets):
             raise RuntimeError(f"the compiled kernel takes {len(offsets)} parameters, its signature gives {len(codes)}")
         layout, at = "<", 0
@@ -64,14 +61,11 @@ class Packer:
             at = offset + struct.calcsize("<" + code)
         self._struct = struct.Struct(layout)
         self.size = self._struct.size
-        self._itemsizes = [as_dtype(t.dtype).itemsize if isinstance(t, types.Array) else None
-                           for t in flat_types(signature)]
-        # Where each flattened argument's value changes from launch to launch in `values`: an array's address,
-        # a scalar itself.
-        self._slots, at = [], 0
-        for itemsize, t in zip(self._itemsizes, flat_types(signature)):
-            self._slots.append(at + 4 if itemsize is not None else at)
-            at += 5 + 2 * t.ndim if itemsize is not None else 1
+        self._itemsizes = [as_dtype(t.dtype).itemsize if isinstance(t, types.Array) else None for t in flat]
+        # Where each flattened argument's value changes from launch to launch in `values`: an array's address
+        # (its fifth member), a scalar itself.
+        starts = [0] + list(itertools.accumulate(sizes))[:-1]
+        self._slots = [at + 4 if itemsize is not None else at for at, itemsize in zip(starts, self._itemsizes)]
         self._local = threading.local()
 
     def values(self, args):

@@ -294,8 +294,9 @@ def preprocess_blocks(plan, ops, rows_per_block, ledger):
 
 def dkdv_blocks(walk, ledger, accumulate_dq=False):
     """The dK/dV kernels: K and V of a key block once; Q, dO, LSE and D of every query tile it visits (that
-    sees it, or the block mask's), for every head of the GQA group (the CUDA-core kernel stages Q and dO twice, k-major then row-major);
-    with ``accumulate_dq`` (v5's ``dkdv_dq``) also each query tile's dS K added to ``dq_acc``."""
+    sees it, or the block mask's), for every head of the GQA group (the CUDA-core kernel stages Q and dO twice,
+    k-major then row-major); with ``accumulate_dq`` (v5's ``dkdv_dq``) also each query tile's dS K added to
+    ``dq_acc``."""
     t, ops = walk.plan.tiles, walk.ops
     seqlen_q, seqlen_k = walk.seqlens
     bk, bq = t.block_m, t.block_n
