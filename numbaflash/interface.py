@@ -199,11 +199,17 @@ def _accumulator_scalar(call):
 
 
 def _plan_for(call, backward, device=None, dout=None, deterministic=True):
-    """The plan of ``call`` on ``device`` (default: the GPU its operands are on, current under `_device_context`);
-    a backward's ``dout`` counts for the alignment its copies need."""
+    """The plan of ``call`` on ``device`` (default: the GPU its operands are on, current under `_device_context`,
+    where the plan is remembered with the layout); a backward's ``dout`` counts for the alignment its copies need."""
     aligned = call.remembered("aligned", lambda: all(op.vector_aligned(8) for op in (call.q, call.k, call.v)))
     aligned = aligned and (dout is None or dout.vector_aligned(8))
-    device = device or tiling.current_device(call.device)
+    if device is not None:
+        return _make_plan(call, backward, device, aligned, deterministic)
+    return call.remembered(("plan", backward, aligned, deterministic),
+                           lambda: _make_plan(call, backward, tiling.current_device(call.device), aligned, deterministic))
+
+
+def _make_plan(call, backward, device, aligned, deterministic):
     return tiling.make_plan(call.batch, call.nheads, call.nheads_kv, call.seqlen_q, call.seqlen_k, call.headdim,
                             call.dtype, backward=backward, device=device, aligned=aligned, packed=call.mods.packed,
                             modified=call.mods.active, deterministic=deterministic)
@@ -350,7 +356,11 @@ def _launch(plan, index, stream, modified, *args, grid=None, layout=None):
     """Launch ``plan.launches[index]`` (on ``grid`` instead of its own, if given); ``layout``: a dict kept for
     this layout of the arguments (`compiled.Kernel.launch`), or None."""
     launch = plan.launches[index]
-    kernel = kernel_for(plan, launch, modified)
+    # The plan keeps its kernels: compiled.kernel's cache hashes the tiles and the modifications on every
+    # lookup, 3.9 microseconds of a forward's host time (H100 host, .bench/hostseg.py).
+    kernel = plan.kernels.get((index, modified))
+    if kernel is None:
+        kernel = plan.kernels[index, modified] = kernel_for(plan, launch, modified)
     try:
         kernel.launch(grid or launch.grid, launch.threads, launch.smem_bytes, stream, *args, layout=layout)
     except NumbaError as error:
@@ -369,11 +379,17 @@ def vector_staging(plan, *operands):
     return all(op.vector_aligned(tiling.vector_elements(plan.tiles)) for op in operands)
 
 
+def _forward_scalars(call, plan):
+    """The forward kernels' scalar arguments after the operands, (scale, left, right, vector staging), once the
+    staging is found to suit ``plan``'s copies."""
+    vec = vector_staging(plan, call.q, call.k, call.v)
+    tiling.check_copy_engine(plan.tiles, vec)
+    return _scale_arg(call), call.left, call.right, vec
+
+
 def run_forward(call, plan, out, lse):
     """Launch the forward kernel of ``plan`` on validated operands (``out``, ``lse`` preallocated)."""
-    vec = call.remembered(("staging", plan.tiles), lambda: vector_staging(plan, call.q, call.k, call.v))
-    args = [call.q, call.k, call.v, out, lse, _scale_arg(call), call.left, call.right, vec]
-    tiling.check_copy_engine(plan.tiles, vec)
+    args = [call.q, call.k, call.v, out, lse, *call.remembered(("scalars", plan.tiles), lambda: _forward_scalars(call, plan))]
     if isinstance(plan.tiles, tiling.WgmmaTiles) and plan.tiles.producer:
         args.append(wgmma_ws_forward.tensor_map_args(call.q, call.k, call.v, plan.tiles))
     mod_values = call.mod_values

@@ -21,6 +21,7 @@ functions of floats and integers; an automatic derivative (dual numbers, complex
 user's code to run on types Numba's CUDA target does not give it, so the derivative is the user's.
 """
 
+import dataclasses
 import functools
 import inspect
 import math
@@ -65,6 +66,12 @@ class Mods:
         """The user's functions, which the disk cache cannot key (their globals may change): such kernels
         are compiled once per process instead."""
         return tuple(f for f in (self.score_mod, self.score_mod_grad, self.mask_mod) if f is not None)
+
+    def __hash__(self):
+        # Hashed on every launch (`tiling.Plan.kernels`): worked out once.
+        if "_hash" not in self.__dict__:
+            object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self))))
+        return self.__dict__["_hash"]
 
     def describe(self):
         parts = (["softcap"] if self.softcap else []) + (["ALiBi"] if self.alibi else [])

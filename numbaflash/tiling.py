@@ -353,6 +353,8 @@ class Plan:
     launches: tuple
     sram_bytes: int
     dq_strategy: str = "separate"
+    # (launch index, `mods.Mods`) -> `compiled.Kernel`, filled by the launches (`interface._launch`)
+    kernels: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def block_m(self):

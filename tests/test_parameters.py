@@ -32,7 +32,7 @@ def test_arguments_land_at_their_parameters_offsets():
     sizes = [8] * 13 + [4, 1, 8] + [8] * 9 + [8]
     offsets = natural_offsets(sizes)
     packer = parameters.Packer(SIGNATURE, offsets)
-    buffer, size, extra, _ = packer.pack(args)
+    buffer, size, extra = packer.pack(args)[:3]
     assert list(extra)[1] == ctypes.addressof(buffer) and list(extra)[3] == ctypes.addressof(size)
     assert size.value == packer.size == offsets[-1] + 8
     raw = bytes(buffer)
@@ -53,15 +53,17 @@ def test_a_kernel_whose_parameters_differ_from_its_signature_is_refused():
 
 
 def test_a_remembered_layout_packs_what_a_full_pack_does():
-    # A layout's later launches write only addresses and scalars into the kept values: other arrays of the
-    # same shapes and strides, and other scalars, must pack to the bytes of a full pack.
+    # A layout's later launches copy the kept bytes and write only addresses and int64 scalars; other float or
+    # bool scalars pack in full. Every combination must give the bytes of a full pack.
     offsets = natural_offsets([8] * 13 + [4, 1, 8] + [8] * 9 + [8])
     packer = parameters.Packer(SIGNATURE, offsets)
     layout = {}
-    for value in (0.75, -1.5):
+    for value, count in ((0.75, 3), (0.75, -7), (-1.5, -7), (-1.5, 2**40)):
         q = np.zeros((2, 3, 4, 8), np.uint16)[:, :, :, ::2]
         table = np.arange(6, dtype=np.int32).reshape(2, 3)
-        args = (_arrays.describe(q, "q"), value, value > 0, int(4 * value), (_arrays.describe(table, "table"), 2 * value))
+        args = (_arrays.describe(q, "q"), value, value > 0, count, (_arrays.describe(table, "table"), 2 * value))
         remembered = bytes(packer.pack(args, layout)[0])
-        assert remembered == bytes(packer.pack(args)[0])
+        full = bytes(packer.pack(args)[0])
+        assert remembered == full, (value, count)
+        assert struct.unpack_from("<q", full, offsets[15])[0] == count
     assert list(layout) == [packer]

@@ -62,17 +62,23 @@ class Packer:
         self._struct = struct.Struct(layout)
         self.size = self._struct.size
         self._itemsizes = [as_dtype(t.dtype).itemsize if isinstance(t, types.Array) else None for t in flat]
-        # Where each flattened argument's value changes from launch to launch in `values`: an array's address
-        # (its fifth member), a scalar itself.
+        # What changes from launch to launch of one layout: an array's address (its fifth member) and an int64
+        # scalar, written as 8-byte words (the driver aligns them so), and the other scalars, compared.
         starts = [0] + list(itertools.accumulate(sizes))[:-1]
-        self._slots = [at + 4 if itemsize is not None else at for at, itemsize in zip(starts, self._itemsizes)]
+        self._words = [(offsets[at + 4] if itemsize is not None else offsets[at], i, itemsize is not None)
+                       for i, (at, t, itemsize) in enumerate(zip(starts, flat, self._itemsizes))
+                       if itemsize is not None or t == types.int64]
+        if any(offset % 8 for offset, _, _ in self._words):
+            raise RuntimeError(f"kernel parameter offsets are not 8-byte aligned: {offsets}")
+        self._words = [(offset // 8, i, is_array) for offset, i, is_array in self._words]
+        self._compared = [i for i, (t, itemsize) in enumerate(zip(flat, self._itemsizes))
+                          if itemsize is None and t != types.int64]
         self._local = threading.local()
 
-    def values(self, args):
-        """The flattened parameter values of a launch: array arguments are `_arrays.Operand`s (viewed as the
-        kernel's dtype), scalars numbers, a tuple argument a tuple of those."""
-        flat, values = [], []
-        flat_values(args, flat)
+    def _values(self, flat):
+        """The parameter values of a launch's flattened arguments: array arguments are `_arrays.Operand`s (viewed
+        as the kernel's dtype), scalars numbers."""
+        values = []
         for a, itemsize in zip(flat, self._itemsizes):
             if itemsize is None:
                 values.append(a)
@@ -80,34 +86,42 @@ class Packer:
                 values += (0, 0, math.prod(a.shape), itemsize, a.ptr, *a.shape, *a.strides)
         return values
 
+    def _slot(self):
+        """This thread's buffer, made once: the driver copies the buffer when the launch is issued, and a buffer
+        shared between threads could change under another thread's launch (ctypes lets go of the GIL while
+        the driver runs). ``(buffer, size, extra, address of extra, the buffer as 8-byte words)``."""
+        slot = getattr(self._local, "slot", None)
+        if slot is None:
+            words = (ctypes.c_int64 * (-(-self.size // 8)))()
+            buffer, size = (ctypes.c_char * self.size).from_buffer(words), ctypes.c_size_t(self.size)
+            extra = (ctypes.c_void_p * 5)(_BUFFER_POINTER, ctypes.addressof(buffer), _BUFFER_SIZE,
+                                          ctypes.addressof(size), _END)
+            slot = self._local.slot = (buffer, size, extra, ctypes.addressof(extra), words)
+        return slot
+
     def pack(self, args, layout=None):
-        """The address of cuLaunchKernel's ``extra`` array naming the packed parameters. Each thread packs
-        into its own buffer, made once: the driver copies the buffer when the launch is issued, and a
-        buffer shared between threads could change under another thread's launch (ctypes lets go of
-        the GIL while the driver runs).
+        """Pack a launch's arguments (array arguments `_arrays.Operand`s, scalars numbers, a tuple argument a tuple
+        of those) into this thread's buffer; returns `_slot`'s tuple, whose ``extra`` array cuLaunchKernel takes.
 
         ``layout``: a dict the caller keeps for one layout of the arguments (every array's shape and strides
         the same at every launch, as `call_cache` remembers a call's layout), or None. The first launch keeps
-        its values there; later ones copy them and write only the arrays' addresses and the scalars (a forward
-        launch's pack took 5.8 microseconds against 9.0 on the H100's host, `.bench/hostsplit.py`)."""
-        values = layout.get(self) if layout is not None else None
-        if values is None:
-            values = self.values(args)
-            if layout is not None:
-                layout[self] = values
-        else:
-            flat = []
-            flat_values(args, flat)
-            values = values.copy()
-            for at, a, itemsize in zip(self._slots, flat, self._itemsizes):
-                values[at] = a if itemsize is None else a.ptr
-        slot = getattr(self._local, "slot", None)
-        if slot is None:
-            buffer, size = ctypes.create_string_buffer(self.size), ctypes.c_size_t(self.size)
-            extra = (ctypes.c_void_p * 5)(_BUFFER_POINTER, ctypes.addressof(buffer), _BUFFER_SIZE,
-                                          ctypes.addressof(size), _END)
-            slot = self._local.slot = (buffer, size, extra, ctypes.addressof(extra))
-        self._struct.pack_into(slot[0], 0, *values)
+        its packed bytes there; a later one with the same scalars (other than int64 ones) copies them and writes
+        only the arrays' addresses and the int64 scalars (a forward launch's pack took 5.8 microseconds against
+        9.0 on the H100's host when it still packed every value, `.bench/hostsplit.py`)."""
+        flat = []
+        flat_values(args, flat)
+        slot = self._slot()
+        compared = tuple([flat[i] for i in self._compared]) if layout is not None else None
+        kept = layout.get(self) if layout is not None else None
+        if kept is not None and kept[1] == compared:
+            ctypes.memmove(slot[0], kept[0], self.size)
+            words = slot[4]
+            for at, i, is_array in self._words:
+                words[at] = flat[i].ptr if is_array else flat[i]
+            return slot
+        self._struct.pack_into(slot[0], 0, *self._values(flat))
+        if layout is not None:
+            layout[self] = (bytes(slot[0]), compared)
         return slot
 
 
@@ -123,7 +137,7 @@ def launch(function, grid, threads, smem_bytes, stream_handle, packer, args, lay
     to 3) of ``threads`` threads with ``smem_bytes`` of dynamic shared memory on the stream ``stream_handle``
     (0: the default stream); ``layout`` as `Packer.pack` takes it."""
     driver = _driver()
-    *_, extra = packer.pack(args, layout)
+    extra = packer.pack(args, layout)[3]
     gx, gy, gz = (grid, 1, 1) if type(grid) is int else tuple(grid) + (1,) * (3 - len(grid))
     err, = driver.cuLaunchKernel(function, gx, gy, gz, threads, 1, 1, smem_bytes, stream_handle, 0, extra)
     if err != driver.CUresult.CUDA_SUCCESS:
