@@ -333,6 +333,7 @@ BUILDERS = {
     "mma_forward": mma_forward.build,
     "simt_forward": simt_forward.build,
     "simt_backward_preprocess": simt_backward.build_preprocess,
+    "wgmma_tma_backward_preprocess": simt_backward.build_staged_preprocess,
     "simt_backward_dkdv": simt_backward.build_dkdv,
     "simt_backward_dq": simt_backward.build_dq,
     "mma_backward_dkdv": mma_backward.build_dkdv,
@@ -400,7 +401,8 @@ def run_forward(call, plan, out, lse):
 
 
 def run_backward(call, plan, dout, lse, out, delta, dq, dk, dv, preprocess=None):
-    """Launch the three backward kernels of ``plan`` on one stream; ``delta`` is the O(N) workspace.
+    """Launch the three backward kernels of ``plan`` on one stream; ``delta`` is the O(N) workspace
+    (`tiling.Plan.delta_shape`: D, or the staged LSE and D that v5's producers copy in bulk).
 
     ``preprocess``: ``(out, dout, delta, grid)`` for the first launch (delta = rowsum(dO * O), row by row)
     where it reads other views than the others: a varlen call's packed rows as one batch element."""
@@ -413,7 +415,7 @@ def run_backward(call, plan, dout, lse, out, delta, dq, dk, dv, preprocess=None)
     layout = call.remembered(("launches", dout.strides, dout.ptr % 16, out.strides, lse.strides), dict)
     extra = (_scale_arg(call), call.left, call.right, vec)
     if preprocess is None:
-        _launch(plan, 0, stream, NONE, out, dout, delta, layout=layout)
+        _launch(plan, 0, stream, NONE, out, dout, *((lse,) if plan.staged_statistics else ()), delta, layout=layout)
     else:
         _launch(plan, 0, stream, NONE, *preprocess[:3], grid=preprocess[3])
     maps = ((), ())
@@ -466,8 +468,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
 
     Returns:
         ``(dq, dk, dv)`` with the shapes and dtypes of q, k, v. For GQA, dk and dv sum over the query
-        heads of each group. Extra memory: one float32 (float64 for float64) value per query row and head,
-        and with atomics a float32 dQ (headdim padded to 64 or 128, rows to 64).
+        heads of each group. Extra memory: one float32 (float64 for float64) value per query row and head (two
+        per row padded to whole tiles on Hopper's v5 kernels), and with atomics a float32 dQ (headdim padded to
+        64 or 128, rows to 64).
     """
     call = inspect(q, k, v, causal, softmax_scale, window_size, modifications=dict(
         softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod, score_mod_grad=score_mod_grad,
@@ -497,7 +500,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
                              "deterministic=False with it, or a deterministic plan")
         grads = [_arrays.output(call.q, x.shape, call.dtype, n)
                  for x, n in ((call.q, "dq"), (call.k, "dk"), (call.v, "dv"))]
-        delta = _arrays.output(call.q, want_lse, call.lse_dtype, "delta")
+        delta = _arrays.output(call.q, plan.delta_shape, call.lse_dtype, "delta")
         run_backward(call, plan, ops[0], lse_op, ops[1], delta, *grads)
     dq, dk, dv = (g.obj for g in grads)
     if call.single_head:

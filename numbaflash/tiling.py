@@ -6,6 +6,7 @@ Computed in one place from the shapes, the dtype and the device, and used by the
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 
 from .kernels.intrinsics import SIMULATOR
@@ -374,6 +375,19 @@ class Plan:
         dim); every streamed tile adds whole rows."""
         return (self.batch, self.nheads, -(-self.seqlen_q // self.block_n) * self.block_n, self.headdim_padded)
 
+    @property
+    def staged_statistics(self):
+        """Whether the backward's workspace is a staged preprocess's ``stats`` (`delta_shape`) instead of D."""
+        return self.direction == "backward" and _staged_statistics(self.tiles)
+
+    @property
+    def delta_shape(self):
+        """The backward's O(N) workspace: D (batch, nheads, seqlen_q), or with `staged_statistics` the base-2 LSE
+        and D of query rows padded to whole tiles, (batch, nheads, 2, padded rows)."""
+        if self.staged_statistics:
+            return (self.batch, self.nheads, 2, _padded_rows(self.seqlen_q, self.tiles))
+        return (self.batch, self.nheads, self.seqlen_q)
+
     def describe(self):
         t = self.tiles
         padded = f" padded to {self.headdim_padded}" if self.headdim_padded != self.headdim else ""
@@ -505,6 +519,18 @@ def preprocess_grid(seqlen_q, nheads, batch):
     return (_cdiv(seqlen_q, PREPROCESS_ROWS), nheads, batch)
 
 
+def _staged_statistics(tiles):
+    """Whether a backward of these tiles reads its rows' LSE and D from a staged preprocess's padded ``stats``
+    (v5, whose producer copies them in bulk: `wgmma.ws_backward`)."""
+    return isinstance(tiles, WgmmaTiles) and tiles.producer
+
+
+def _padded_rows(seqlen_q, tiles):
+    """Query rows rounded up to whole tiles of both backward passes (the staged ``stats``' last axis)."""
+    whole = math.lcm(tiles.block_m, tiles.block_n)
+    return _cdiv(seqlen_q, whole) * whole
+
+
 def _plan(kernel, reason, shape, device, D, tiles, smem, registers, dq_strategy="separate"):
     """The `Plan` of ``kernel`` ("simt_forward", "mma_backward", ...) with its launches: one block per query
     block (forward, dQ) or key block (dK/dV) of every head; ``smem`` bytes per launch after the preprocess.
@@ -519,7 +545,11 @@ def _plan(kernel, reason, shape, device, D, tiles, smem, registers, dq_strategy=
 
         rows = preprocess_grid(shape["seqlen_q"], nheads, batch)
         key_blocks = (_cdiv(shape["seqlen_k"], bm), nheads_kv, batch)
-        launches = (Launch("simt_backward_preprocess", rows, 32 * PREPROCESS_ROWS, 0),)
+        if _staged_statistics(tiles):
+            padded = preprocess_grid(_padded_rows(shape["seqlen_q"], tiles), nheads, batch)
+            launches = (Launch(kernel + "_preprocess", padded, 32 * PREPROCESS_ROWS, 0),)
+        else:
+            launches = (Launch("simt_backward_preprocess", rows, 32 * PREPROCESS_ROWS, 0),)
         if dq_strategy == "atomic":
             launches += (Launch(kernel + "_dkdvdq", key_blocks, tiles.threads, smem[0]),
                          Launch("backward_dq_postprocess", rows, 32 * PREPROCESS_ROWS, 0))

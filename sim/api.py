@@ -91,8 +91,9 @@ def _inputs(p, ctx_args, backward, algorithm, rng):
     return hbm
 
 
-def _outputs(p, algorithm, backward, dq=None):
-    """Shapes of what the schedule writes (intermediates in HBM included; ``dq`` "atomic": dQ_acc)."""
+def _outputs(p, algorithm, backward, dq=None, staged=False):
+    """Shapes of what the schedule writes (intermediates in HBM included; ``dq`` "atomic": dQ_acc; ``staged``:
+    LSE2, the LSE staged beside D)."""
     b, nq, nk, h, hk, d = p.batch, p.seqlen_q, p.seqlen_k, p.nheads, p.nheads_kv, p.headdim
     q_like, kv_like, nn, row = (b, nq, h, d), (b, nk, hk, d), (b, h, nq, nk), (b, h, nq)
     if not backward:
@@ -101,6 +102,8 @@ def _outputs(p, algorithm, backward, dq=None):
     extra = {"standard": {"dP": nn, "dS": nn}, "flash1": {}, "flash2": {"D": row}}[algorithm]
     if algorithm == "flash2" and dq == "atomic":
         extra["dQ_acc"] = q_like
+    if algorithm == "flash2" and staged:
+        extra["LSE2"] = row
     return {"dQ": q_like, "dK": kv_like, "dV": kv_like, **extra}
 
 
@@ -149,7 +152,7 @@ def _resolve(seqlen, headdim, sram_bytes, algorithm, seqlen_k, batch, nheads, nh
 
     ``check_fit``: refuse given blocks that do not fit M, as running the schedule would (`predict_io`
     runs nothing; `count_io`'s own overflow names the tiles)."""
-    key_pass = None
+    key_pass, staged = None, False
     if plan is not None:
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be None or a numbaflash.plan(...) result; got {type(plan).__name__}")
@@ -162,6 +165,8 @@ def _resolve(seqlen, headdim, sram_bytes, algorithm, seqlen_k, batch, nheads, nh
             key_pass = (plan.block_n, plan.block_m)
         sram_bytes = plan.sram_bytes if sram_bytes is None else sram_bytes
         dtype_bytes = plan.dtype_bytes
+        # v5's preprocess stages each row's LSE beside D, where its producers copy both in bulk.
+        staged = backward and plan.staged_statistics
     arguments.choice(algorithm, "algorithm", ALGORITHMS)
     arguments.choice(dq, "dq", DQ_MODES)
     seqlen_k = seqlen if seqlen_k is None else seqlen_k
@@ -199,7 +204,7 @@ def _resolve(seqlen, headdim, sram_bytes, algorithm, seqlen_k, batch, nheads, nh
     if block_mask is not None:
         _check_block_mask(block_mask, algorithm, p)
         p = dataclasses.replace(p, block_mask=block_mask)
-    return algorithm, p, M, blocks, dq, dtype_bytes
+    return algorithm, p, M, blocks, dq, dtype_bytes, staged
 
 
 def _check_block_mask(block_mask, algorithm, p):
@@ -222,10 +227,10 @@ def predict_io(seqlen, headdim, *, sram_bytes=None, algorithm="flash2", seqlen_k
     Same arguments as `count_io`. Returns ``{"reads", "writes", "total", "per_tensor", "total_bytes",
     "blocks"}``; `count_io` checks that the schedule moves exactly this.
     """
-    algorithm, p, M, blocks, dq, dtype_bytes = _resolve(
+    algorithm, p, M, blocks, dq, dtype_bytes, staged = _resolve(
         seqlen, headdim, sram_bytes, algorithm, seqlen_k, batch, nheads, nheads_kv, causal, window_size,
         backward, dtype_bytes, block_sizes, dq, plan, block_mask, check_fit=True)
-    prediction = formulas.predicted(algorithm, backward, p, blocks, dq)
+    prediction = formulas.predicted(algorithm, backward, p, blocks, dq, staged)
     return {**prediction, "total_bytes": prediction["total"] * dtype_bytes, "blocks": blocks}
 
 
@@ -258,7 +263,7 @@ def count_io(seqlen, headdim, *, sram_bytes=None, algorithm="flash2", seqlen_k=N
     Raises `SramOverflow` if a step does not fit and `SimulationMismatch` if the result differs from the
     reference.
     """
-    algorithm, p, M, blocks, dq, dtype_bytes = _resolve(
+    algorithm, p, M, blocks, dq, dtype_bytes, staged = _resolve(
         seqlen, headdim, sram_bytes, algorithm, seqlen_k, batch, nheads, nheads_kv, causal, window_size,
         backward, dtype_bytes, block_sizes, dq, plan, block_mask)
     arguments.flag(compute, "compute")
@@ -279,13 +284,13 @@ def count_io(seqlen, headdim, *, sram_bytes=None, algorithm="flash2", seqlen_k=N
         hbm_in = _inputs(group, ctx_args, backward, algorithm, np.random.default_rng(seed))
         hbm = dict(hbm_in)
         # Outputs start as NaN: an element the schedule never writes fails the check.
-        hbm.update({name: np.full(shape, np.nan) for name, shape in _outputs(group, algorithm, backward, dq).items()})
+        hbm.update({name: np.full(shape, np.nan) for name, shape in _outputs(group, algorithm, backward, dq, staged).items()})
         visible = reference.visible_mask(p.seqlen_q, p.seqlen_k, causal, window_size)
         if block_mask is not None:  # shared by every batch element and head (else ``unchecked``)
             visible = visible & mods.visible(block_mask.mask_mod, (1, 1, p.seqlen_q, p.seqlen_k), block_mask.mod_args)[0, 0]
         ctx = common.Context(ctx_args["softmax_scale"], visible)
     else:
-        hbm = {**_input_shapes(group, algorithm, backward), **_outputs(group, algorithm, backward, dq)}
+        hbm = {**_input_shapes(group, algorithm, backward), **_outputs(group, algorithm, backward, dq, staged)}
         ctx = common.Context(ctx_args["softmax_scale"])
     h = Hierarchy(M, hbm, compute=verify)
 
@@ -295,7 +300,7 @@ def count_io(seqlen, headdim, *, sram_bytes=None, algorithm="flash2", seqlen_k=N
     elif algorithm == "flash1":
         (flash1.backward if backward else flash1.forward)(h, group, blocks, ctx)
     elif backward:
-        flash2.backward(h, group, blocks, ctx, dq=dq)
+        flash2.backward(h, group, blocks, ctx, dq=dq, staged=staged)
     else:
         flash2.forward(h, group, blocks, ctx)
 
@@ -303,7 +308,7 @@ def count_io(seqlen, headdim, *, sram_bytes=None, algorithm="flash2", seqlen_k=N
                                 for counter in (h.reads, h.writes, h.uncharged))
     names = sorted(set(reads) | set(writes))
     per_tensor = {n: {"reads": reads.get(n, 0), "writes": writes.get(n, 0)} for n in names}
-    predicted = formulas.predicted(algorithm, backward, p, blocks, dq)
+    predicted = formulas.predicted(algorithm, backward, p, blocks, dq, staged)
     predicted["formula"] = formulas.FORMULAS[(algorithm, backward)]
     formula, value = formulas.asymptotic(algorithm, p, M)
     total = sum(reads.values()) + sum(writes.values())

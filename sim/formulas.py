@@ -82,8 +82,9 @@ FORMULAS = {
 }
 
 
-def predicted(algorithm, backward, p, blocks, dq="accumulate"):
-    """Per-tensor ``{"reads": n, "writes": n}`` in elements for the schedule, summed over batch and heads."""
+def predicted(algorithm, backward, p, blocks, dq="accumulate", staged=False):
+    """Per-tensor ``{"reads": n, "writes": n}`` in elements for the schedule, summed over batch and heads
+    (``staged``: FlashAttention-2's backward with the LSE staged beside D, `algorithms.flash2`)."""
     bh, bhk = p.batch * p.nheads, p.batch * p.nheads_kv
     nq, nk, d = p.seqlen_q, p.seqlen_k, p.headdim
     r, w = defaultdict(int), defaultdict(int)
@@ -129,6 +130,9 @@ def predicted(algorithm, backward, p, blocks, dq="accumulate"):
                         ("K", m.keys * d), ("V", m.keys * d)):
             r[name] += n
         w["dQ"] = bh * nq * d
+    if staged:  # the preprocess reads each row's LSE once and writes it beside D; the passes read that copy
+        r["LSE2"], r["LSE"] = r["LSE"], bh * nq
+        w["LSE2"] = bh * nq
     return _combine(r, w)
 
 

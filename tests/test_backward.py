@@ -176,7 +176,7 @@ def test_wgmma_backward_refuses_what_it_cannot_run():
 def test_sim_counts_the_wgmma_backward_schedule(tiles, causal):
     """`sim` counts the wgmma backwards' schedules as it counts the mma.sync one's, v5's with its own blocks in
     each pass (128 keys streaming 64 query rows, then 128 rows streaming 64 keys), and `sim.hardware` walks
-    their launches (cp.async tiles, or bulk tensor copies with LSE and D loaded by the producer's first warp)."""
+    their launches (cp.async tiles, or bulk tensor copies, LSE and D among them, staged by v5's preprocess)."""
     import sim.hardware
 
     plan = tiling.make_plan(1, 2, 1, 300, 250, 64, "float16", backward=True, tiles=tiles, device=HOPPER)
@@ -184,6 +184,12 @@ def test_sim_counts_the_wgmma_backward_schedule(tiles, causal):
     assert counted.matches_prediction and counted.max_rel_error < 1e-10
     predicted = sim.predict_io(300, 64, seqlen_k=250, nheads=2, nheads_kv=1, plan=plan, causal=causal, backward=True)
     assert predicted["total"] == counted.total
+    if tiles.producer:
+        # v5's preprocess reads each row's LSE once and writes it beside D; the passes read that copy.
+        assert counted.per_tensor["LSE"] == {"reads": 2 * 300, "writes": 0}
+        assert counted.per_tensor["LSE2"]["writes"] == 2 * 300 and counted.per_tensor["LSE2"]["reads"] > 0
+    else:
+        assert "LSE2" not in counted.per_tensor
     if tiles.producer:  # the dK/dV pass reads Q once per 128-key block: fewer reads than 64 x 64 blocks
         square = tiling.make_plan(1, 2, 1, 300, 250, 64, "float16", backward=True, device=HOPPER,
                                   tiles=tiling.WGMMA_CP_ASYNC_BACKWARD_TILES[64])

@@ -87,12 +87,27 @@ def test_unaligned_rows_cost_the_sectors_they_straddle():
     # 80-byte rows, which start on a sector (even rows) or 16 bytes into one (odd rows). Even rows cost
     # 2 sectors for elements 0-31 and 1 for 32-39; odd rows 3 and 1. Eight rows: 4 x 3 + 4 x 4 = 28
     # sectors per array. D: one 4-byte store per row, alone in its instruction.
-    preprocess = traffic(1, 1, 1, 8, 8, 40, "float16", backward=True)[0]
+    preprocess = traffic(1, 1, 1, 8, 8, 40, "float16", backward=True, tiles=tiling.MMA_BACKWARD_TILES[64])[0]
     assert preprocess.kernel == "simt_backward_preprocess"
     assert preprocess.load_bytes == 2 * 28 * 32
     assert preprocess.store_bytes == 8 * 32
     # O and dO are dense (rows back to back): DRAM reads their bytes, each shared sector once.
     assert preprocess.dram_read_bytes == 2 * 8 * 80
+
+
+def test_the_staged_preprocess_writes_whole_tiles_of_statistics():
+    # v5's preprocess (Hopper's planned backward: 128 x 64 tiles) reads O and dO as above and each row's LSE
+    # (a 4-byte load alone in its instruction), and stores the base-2 LSE and D of rows padded to whole tiles:
+    # 128 rows of each, lane 0 of a warp per row, a sector a store.
+    preprocess = traffic(1, 1, 1, 8, 8, 40, "float16", backward=True)[0]
+    assert preprocess.kernel == "wgmma_tma_backward_preprocess"
+    assert preprocess.load_bytes == 2 * 28 * 32 + 8 * 32
+    assert preprocess.store_bytes == 2 * 128 * 32
+    # The dK/dV kernel's one key block copies K and V (boxes of 128 rows of 128 bytes, plus a sector for each
+    # of the 8 rows inside, whose 80 bytes end within one), then its one query tile's Q and dO (64-row boxes)
+    # and, in bulk, the tile's 64 LSE and 64 D: 512 bytes.
+    dkdv = traffic(1, 1, 1, 8, 8, 40, "float16", backward=True)[1]
+    assert dkdv.tma_bytes == 2 * (128 * 128 + 8 * 32) + 2 * (64 * 128 + 8 * 32) + 2 * 64 * 4
 
 
 def test_lru_reads_a_tile_once_while_it_stays_and_writes_dirty_tiles_when_evicted():

@@ -3,11 +3,12 @@
 import ml_dtypes
 import numpy as np
 import pytest
-from numba import cuda, int32, uint16
+from numba import cuda, float32, int32, uint16
 
-from numbaflash.kernels.intrinsics import (SIMULATOR, cp_async_16, cp_async_commit, cp_async_mbarrier_arrive,
+from numbaflash.kernels.intrinsics import (SIMULATOR, bulk_load, cp_async_16, cp_async_commit, cp_async_mbarrier_arrive,
                                            cp_async_wait_all, device_function, ex2, group_max, group_sum, ldmatrix_x4,
-                                           ldmatrix_x4_trans, load4, mbarrier_arrive, mbarrier_init, mbarrier_try_wait,
+                                           ldmatrix_x4_trans, load4, mbarrier_arrive, mbarrier_arrive_expect_tx,
+                                           mbarrier_init, mbarrier_try_wait,
                                            mma_bf16, mma_f16, named_barrier_arrive, named_barrier_sync,
                                            pack_bf16, pack_f16, rcp)
 
@@ -285,6 +286,38 @@ def test_mbarrier_phase_completes_after_count_arrivals(use_cp_async, arrays):
     mbarrier_kernel[1, 64, 0, 64 * 2 + 8](to_device(src), out, flags, use_cp_async)
     np.testing.assert_array_equal(to_host(out), src.ravel())
     np.testing.assert_array_equal(to_host(flags), np.zeros(32, np.uint32))
+
+
+@cuda.jit
+def bulk_load_kernel(src, out, row, count):
+    # Thread 0 announces and issues two bulk copies of ``count`` float32 each (rows 1 and 0 of src[1, 2] from
+    # element ``row``) onto one mbarrier; every thread waits for its phase, then copies shared memory out.
+    smem = cuda.shared.array(0, uint16)
+    words = cuda.shared.array(0, float32)
+    tid = cuda.threadIdx.x
+    barrier = 4 * count  # after the 2 count floats (4 count 16-bit elements), 8-byte aligned
+    if tid == 0:
+        mbarrier_init(smem, barrier, 1)
+    cuda.syncthreads()
+    if tid == 0:
+        mbarrier_arrive_expect_tx(smem, barrier, 8 * count)
+        bulk_load(smem, 0, src, (1, 2, 1, row), 4 * count, barrier)
+        bulk_load(smem, 2 * count, src, (1, 2, 0, row), 4 * count, barrier)
+    while mbarrier_try_wait(smem, barrier, 0) == 0:
+        pass
+    for i in range(tid, 2 * count, cuda.blockDim.x):
+        out[i] = words[i]
+
+
+def test_bulk_load_copies_rows_onto_an_mbarrier(arrays):
+    to_device, to_host = arrays
+    if not SIMULATOR and cuda.get_current_device().compute_capability < (9, 0):
+        pytest.skip("cp.async.bulk needs compute capability 9.0")
+    src = np.random.default_rng(5).standard_normal((2, 3, 2, 96)).astype(np.float32)
+    count, row = 32, 20  # 128 bytes from a 16-byte-aligned element
+    out = to_device(np.zeros(2 * count, np.float32))
+    bulk_load_kernel[1, 64, 0, 8 * count + 16](to_device(src), out, row, count)
+    np.testing.assert_array_equal(to_host(out), np.concatenate([src[1, 2, 1, row:row + count], src[1, 2, 0, row:row + count]]))
 
 
 @cuda.jit

@@ -13,7 +13,8 @@ plain ones (rows are query rows, columns keys). The steps, after the score produ
   ``ds(s, dp, dlogit, stats, delta_at, t)``: dP^T becomes dS^T = P^T (dP^T - D) (times ``dlogit``), D of
   column ``c`` at ``stats[delta_at + c]``.
 * `row_steps` -> ``(rows, ds)``: ``rows(lse2, dsum, lo_r, hi_r, lse, delta, ...)`` loads a warp's rows'
-  base-2 LSE, D and visible key range into registers once; ``ds(s, dp, lse2, dsum, lo_r, hi_r, full, ...,
+  base-2 LSE, D (or both from a staged preprocess's ``stats`` in place of ``delta``) and visible key range
+  into registers once; ``ds(s, dp, lse2, dsum, lo_r, hi_r, full, ...,
   block_full)`` turns S and dP of a row tile into dS in ``dp`` (``full``: the causal/window mask shows the
   whole tile; ``block_full``: so does the mask_mod).
 * `stats_stager` -> ``(load, store, per_thread)``: a query tile's LSE and D, loaded to registers early
@@ -160,11 +161,19 @@ def _transposed_probabilities(M, NT, mods, TESTED, FUSED):
     return loop
 
 
-def row_steps(M, NT, mods=NONE):
-    """``(rows, ds)`` for row tiles of ``M`` m-tiles of 16 query rows and ``8 NT`` key columns."""
+@device_function
+def staged_statistics(lse, stats, b, h, row):
+    """`simt.backward.row_statistics` from a staged preprocess's ``stats`` (`build_staged_preprocess`), where
+    the base-2 LSE and D of every row of a whole tile are stored (``lse`` unread)."""
+    return stats[b, h, 0, row], stats[b, h, 1, row]
+
+
+def row_steps(M, NT, mods=NONE, staged=False):
+    """``(rows, ds)`` for row tiles of ``M`` m-tiles of 16 query rows and ``8 NT`` key columns; ``staged``: the
+    kernel's ``delta`` is a staged preprocess's ``stats`` (`staged_statistics`)."""
     M_ROWS = 2 * M
     untested = untested_tile(mods)
-    statistics = row_statistics(types.float32)
+    statistics = staged_statistics if staged else row_statistics(types.float32)
     checked, unchecked = (_row_ds(M, NT, mods, tested) for tested in (True, False))
 
     @device_function

@@ -13,6 +13,9 @@ Backward: D = rowsum(dO * O) first, then
   atomics, bitwise reproducible;
 * ``dq="atomic"`` (numbaflash's ``deterministic=False``): the paper's pass, dQ summed in a float32
   workspace ``dQ_acc`` (zeroed first, atomic adds on a GPU), then rounded into dQ row block by row block.
+
+With ``staged`` (numbaflash's Hopper v5 backward, whose producers copy a tile's LSE and D in bulk) the
+preprocess also reads each row's LSE and writes it beside D, as ``LSE2``, which both passes read instead.
 """
 
 import numpy as np
@@ -56,8 +59,8 @@ def _probabilities(ctx, qi, kj, lse, r0, r1, c0, c1):
     return np.exp(s - common.finite_or(lse, np.inf)[:, None])
 
 
-def _preprocess(h, p, blocks):
-    """D = rowsum(dO * O), one pass over O and dO."""
+def _preprocess(h, p, blocks, staged):
+    """D = rowsum(dO * O), one pass over O and dO; ``staged``: the LSE copied beside it."""
     for b in range(p.batch):
         for hq in range(p.nheads):
             for i, r0, r1 in p.row_blocks(blocks.rows):
@@ -67,9 +70,11 @@ def _preprocess(h, p, blocks):
                     if h.compute:
                         di.a[:] = (oi.a * doi.a).sum(axis=1)
                     h.store(di, "D", vec(b, hq, r0, r1))
+                    if staged:
+                        h.store(h.load("LSE", vec(b, hq, r0, r1)), "LSE2", vec(b, hq, r0, r1))
 
 
-def _key_block_pass(h, p, blocks, ctx, accumulate_dq, dq_name="dQ"):
+def _key_block_pass(h, p, blocks, ctx, accumulate_dq, dq_name="dQ", lse_name="LSE"):
     """For each key block: dK_j, dV_j on chip over every visible query block of the head group."""
     d = p.headdim
     for b in range(p.batch):
@@ -89,7 +94,7 @@ def _key_block_pass(h, p, blocks, ctx, accumulate_dq, dq_name="dQ"):
                             with h.step("dK, dV", b=b, h=hq, i=i, j=j):
                                 n = r1 - r0
                                 qi, doi = h.load("Q", rows(b, hq, r0, r1)), h.load("dO", rows(b, hq, r0, r1))
-                                lse, di = h.load("LSE", vec(b, hq, r0, r1)), h.load("D", vec(b, hq, r0, r1))
+                                lse, di = h.load(lse_name, vec(b, hq, r0, r1)), h.load("D", vec(b, hq, r0, r1))
                                 dqi = h.load(dq_name, rows(b, hq, r0, r1)) if accumulate_dq else None
                                 pt, ds = h.alloc("P_ij", (n, c1 - c0)), h.alloc("dS_ij", (n, c1 - c0))
                                 if h.compute:
@@ -114,7 +119,7 @@ def _round_dq(h, p, blocks):
                     h.store(h.load("dQ_acc", rows(b, hq, r0, r1)), "dQ", rows(b, hq, r0, r1))
 
 
-def _query_block_pass(h, p, blocks, ctx):
+def _query_block_pass(h, p, blocks, ctx, lse_name="LSE"):
     """For each query block: dQ_i on chip over its visible key blocks, recomputing P and dS."""
     for b in range(p.batch):
         for hq in range(p.nheads):
@@ -127,7 +132,7 @@ def _query_block_pass(h, p, blocks, ctx):
                         continue
                     n = r1 - r0
                     qi, doi = h.load("Q", rows(b, hq, r0, r1)), h.load("dO", rows(b, hq, r0, r1))
-                    lse, di = h.load("LSE", vec(b, hq, r0, r1)), h.load("D", vec(b, hq, r0, r1))
+                    lse, di = h.load(lse_name, vec(b, hq, r0, r1)), h.load("D", vec(b, hq, r0, r1))
                     dqi = h.alloc("dQ_i", (n, p.headdim))
                     for j, c0, c1 in key_blocks:
                         with h.step("dQ", b=b, h=hq, i=i, j=j):
@@ -140,17 +145,18 @@ def _query_block_pass(h, p, blocks, ctx):
                     h.store(dqi, "dQ", rows(b, hq, r0, r1))
 
 
-def backward(h, p, blocks, ctx, dq="accumulate"):
-    _preprocess(h, p, blocks)
+def backward(h, p, blocks, ctx, dq="accumulate", staged=False):
+    _preprocess(h, p, blocks, staged)
+    lse_name = "LSE2" if staged else "LSE"
     if dq in ("accumulate", "atomic"):
         name = "dQ" if dq == "accumulate" else "dQ_acc"
         with h.step("init"):
             for b in range(p.batch):
                 for hq in range(p.nheads):
                     h.fill(name, rows(b, hq, 0, p.seqlen_q), 0.0)
-        _key_block_pass(h, p, blocks, ctx, accumulate_dq=True, dq_name=name)
+        _key_block_pass(h, p, blocks, ctx, accumulate_dq=True, dq_name=name, lse_name=lse_name)
         if dq == "atomic":
             _round_dq(h, p, blocks)
     else:
-        _key_block_pass(h, p, blocks.key_pass, ctx, accumulate_dq=False)
-        _query_block_pass(h, p, blocks, ctx)
+        _key_block_pass(h, p, blocks.key_pass, ctx, accumulate_dq=False, lse_name=lse_name)
+        _query_block_pass(h, p, blocks, ctx, lse_name)

@@ -103,10 +103,11 @@ def _operands(plan, operands):
     shapes = {"q": (plan.batch, plan.seqlen_q, plan.nheads, plan.headdim),
               "k": (plan.batch, plan.seqlen_k, plan.nheads_kv, plan.headdim),
               "lse": (plan.batch, plan.nheads, plan.seqlen_q)}
-    for name, like in (("v", "k"), ("out", "q"), ("dout", "q"), ("dq", "q"), ("dk", "k"), ("dv", "k"), ("delta", "lse")):
+    for name, like in (("v", "k"), ("out", "q"), ("dout", "q"), ("dq", "q"), ("dk", "k"), ("dv", "k")):
         shapes[name] = shapes[like]
+    shapes["delta"] = plan.delta_shape if plan.direction == "backward" else shapes["lse"]
     stat_bytes = 8 if plan.dtype == "float64" else 4
-    ops = {name: Operand.contiguous(shape, stat_bytes if len(shape) == 3 else plan.dtype_bytes)
+    ops = {name: Operand.contiguous(shape, stat_bytes if name in ("lse", "delta") else plan.dtype_bytes)
            for name, shape in shapes.items()}
     for name, op in (operands or {}).items():
         if name not in ops:
@@ -204,7 +205,7 @@ def predict(plan, *, causal=False, window_size=(-1, -1), operands=None, gpu=None
 # Which walk models each launch (`numbaflash.tiling` names the launches).
 WALKS = {"simt_forward": "forward", "mma_forward": "forward", "wgmma_forward": "forward",
          "wgmma_ws_forward": "forward", "wgmma_tma_forward": "forward",
-         "simt_backward_preprocess": "simt_backward_preprocess",
+         "simt_backward_preprocess": "simt_backward_preprocess", "wgmma_tma_backward_preprocess": "simt_backward_preprocess",
          "simt_backward_dkdv": "dkdv", "mma_backward_dkdv": "dkdv", "wgmma_backward_dkdv": "dkdv",
          "wgmma_tma_backward_dkdv": "dkdv",
          "simt_backward_dq": "dq", "mma_backward_dq": "dq", "wgmma_backward_dq": "dq", "wgmma_tma_backward_dq": "dq",

@@ -13,7 +13,7 @@ PEAKS = {
 # Registers per thread the L2 model assumes when it counts resident blocks: the kernels' real counts
 # come from ptxas; the tensor-core and CUDA-core kernels use nearly all 255 (ncu: 1 or 2 blocks per
 # SM, as this gives), the preprocess few (8 blocks per SM).
-REGISTERS = {"simt_backward_preprocess": 32}
+REGISTERS = {"simt_backward_preprocess": 32, "wgmma_tma_backward_preprocess": 32}
 
 
 @dataclass(frozen=True)

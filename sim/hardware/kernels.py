@@ -14,7 +14,6 @@ import numpy as np
 from numbaflash import masks
 from numbaflash.tiling import MmaTiles, WgmmaTiles
 from numbaflash.kernels.simt.tiles import vector_width
-from numbaflash.kernels.wgmma.ws_backward import STATS_THREADS
 
 from . import patterns
 from .sectors import LINE, box_bytes, copy_sectors, sectors, unique_bytes
@@ -178,11 +177,31 @@ def _simt_outputs(ledger, plan, out, lse, b, h, row0, name):
 
 def _statistics(ledger, ops, b, h, q0, rows, kind, rows_of):
     """LSE and D rows a backward block reads (``rows_of(q0)``: lane rows, instructions x lanes)."""
+    if len(ops["delta"].shape) == 4:
+        _staged_statistics(ledger, ops["delta"], b, h, q0, rows, kind, rows_of)
+        return
     for name in ("lse", "delta"):
         op = ops[name]
         key = ("stats", kind, name, *_stat_key(op, b, h, q0, rows))
         addresses = patterns.row_statistics(op, b, h, rows_of(q0)) if key not in ledger._costs else None
         ledger.charge("load", (name, b, h, q0), key, _load(op, addresses, op.itemsize))
+
+
+def _staged_statistics(ledger, stats, b, h, q0, rows, kind, rows_of):
+    """The same from a staged preprocess's ``stats`` (batch, nheads, 2, padded rows: the base-2 LSE, then D;
+    `simt.backward.build_staged_preprocess`), every row of a whole tile: v5's dK/dV producer copies a tile's two
+    runs of ``rows`` floats in bulk (``kind`` "dkdv"), the dQ kernel's lanes load theirs at ``rows_of(q0)``."""
+    for which in (0, 1):
+        start = stats.address(b, h, which, q0)
+        tile = (("stats", which), b, h, q0)
+        if kind == "dkdv":
+            nbytes = rows * stats.itemsize
+            key = ("stats bulk", rows, start % LINE)
+            ledger.charge("tma", tile, key, lambda start=start, n=nbytes: (n, _dram_bytes(stats, [start], n)))
+        else:
+            key = ("stats", kind, rows, start % LINE)
+            addresses = stats.at(b, h, which, rows_of(q0)) if key not in ledger._costs else None
+            ledger.charge("load", tile, key, _load(stats, addresses, stats.itemsize))
 
 
 @dataclass
@@ -273,12 +292,15 @@ def forward_blocks(walk, ledger):
 
 
 def preprocess_blocks(plan, ops, rows_per_block, ledger):
-    """D = rowsum(dO * O): one warp per row reads it in 32-element steps; lane 0 writes D."""
+    """D = rowsum(dO * O): one warp per row reads it in 32-element steps; lane 0 writes D, or with staged
+    statistics (`simt.backward.build_staged_preprocess`) reads the row's LSE and writes both to ``stats``,
+    for rows padded to whole tiles."""
     out, delta = ops["out"], ops["delta"]
+    staged = len(delta.shape) == 4
     slots = 32 * -(-plan.headdim // 32)
     for b in range(plan.batch):
         for h in range(plan.nheads):
-            for row0 in range(0, out.seqlen, rows_per_block):
+            for row0 in range(0, delta.shape[3] if staged else out.seqlen, rows_per_block):
                 ledger.start_block()
                 for name in ("out", "dout"):
                     op = ops[name]
@@ -286,10 +308,25 @@ def preprocess_blocks(plan, ops, rows_per_block, ledger):
                     addresses = (patterns.staged_rows(op, b, h, row0, rows_per_block, plan.headdim, 1, slots)[0]
                                  if key not in ledger._costs else None)
                     ledger.charge("load", (name, b, h, row0), key, _load(op, addresses, op.itemsize))
-                key = ("delta", rows_per_block, *_stat_key(delta, b, h, row0, rows_per_block))
                 rows = row0 + np.arange(rows_per_block)
+                if staged:
+                    _staged_rows(ledger, ops["lse"], delta, b, h, row0, rows)
+                    continue
+                key = ("delta", rows_per_block, *_stat_key(delta, b, h, row0, rows_per_block))
                 addresses = np.where(rows < delta.seqlen, delta.at(b, h, rows), -1)[:, None]
                 ledger.charge("store", ("delta", b, h, row0), key, _load(delta, addresses, delta.itemsize))
+
+
+def _staged_rows(ledger, lse, stats, b, h, row0, rows):
+    """A staged preprocess block's lane 0 of each row: the LSE loaded inside the sequence, the base-2 LSE and D
+    stored for every row."""
+    key = ("preprocess lse", rows.size, *_stat_key(lse, b, h, row0, rows.size))
+    addresses = np.where(rows < lse.seqlen, lse.at(b, h, rows), -1)[:, None]
+    ledger.charge("load", ("lse", b, h, row0), key, _load(lse, addresses, lse.itemsize))
+    for which in (0, 1):
+        key = ("stats store", rows.size, stats.address(b, h, which, row0) % LINE)
+        addresses = stats.at(b, h, which, rows)[:, None]
+        ledger.charge("store", (("stats", which), b, h, row0), key, _load(stats, addresses, stats.itemsize))
 
 
 def dkdv_blocks(walk, ledger, accumulate_dq=False):
@@ -301,10 +338,8 @@ def dkdv_blocks(walk, ledger, accumulate_dq=False):
     seqlen_q, seqlen_k = walk.seqlens
     bk, bq = t.block_m, t.block_n
     mma = isinstance(t, (MmaTiles, WgmmaTiles))  # the tensor-core kernels stage LSE and D alike
-    if mma:
-        # With a producer warpgroup its first warp loads them (`wgmma.ws_backward`), otherwise every thread.
-        loaders = STATS_THREADS if isinstance(t, WgmmaTiles) and t.producer else t.threads
-        rows_of = lambda q0: patterns.stats_rows_mma(q0, bq, loaders)
+    if mma:  # every thread loads them (with a producer warpgroup, staged statistics are copied in bulk)
+        rows_of = lambda q0: patterns.stats_rows_mma(q0, bq, t.threads)
     else:
         r, c = patterns.simt_lanes(t.threads, t.cols_t)
         rows_of = lambda q0: np.concatenate([q0 + c * t.thread_n + a for a in range(t.thread_n)])

@@ -56,7 +56,10 @@ Hopper (compute capability 9.0, sm_90a; `ptx_hopper`):
   engine before the phase completes; ``tma_load_4d(smem, dst, maps, which, c0, c1, c2, c3, barrier)``:
   the bulk tensor copy of one box of map ``which`` of a `wgmma.tensor_maps` set (the simulator's
   ``TENSOR_MAPS`` registry) into ``smem[dst ..]``, its bytes delivered to the mbarrier at ``smem[barrier]``,
-  after ``tensormap_acquire(maps, which)`` once per thread and map (the host wrote the maps).
+  after ``tensormap_acquire(maps, which)`` once per thread and map (the host wrote the maps);
+  ``bulk_load(smem, dst, src, i, nbytes, barrier)``: ``nbytes`` (a multiple of 16) of global array ``src``
+  from element ``i`` (a tuple of indices, contiguous along the last) into ``smem[dst ..]`` by the same
+  engine without a map (``cp.async.bulk``), both 16-byte aligned, its bytes delivered to that mbarrier.
 * ``red_add2(arr, i, x, y)``: ``arr[i] += x`` and the element after it ``+= y`` (a float32 global array,
   ``i`` a tuple of indices whose last is even), atomically, as one ``red.global.add.v2.f32``.
 * ``setmaxnreg_inc(count)()`` / ``setmaxnreg_dec(count)()``: the warpgroup's registers per thread

@@ -229,6 +229,19 @@ def tma_load_4d(smem, dst, maps, which, c0, c1, c2, c3, barrier):
     _mbarriers()[int(barrier)].complete_tx(rows * 64 * 2)
 
 
+def bulk_load(smem, dst, src, i, nbytes, barrier):
+    """The bytes from ``src[i]`` on (``i`` a tuple of indices), as the copy engine reads them: along the last
+    index, which must run contiguously for ``nbytes``."""
+    row = np.asarray(src)[tuple(i[:-1])]
+    count = int(nbytes) // row.itemsize
+    if int(nbytes) % 16 or int(dst) * np.asarray(smem).itemsize % 16 or i[-1] + count > row.shape[0]:
+        raise ValueError(f"bulk_load of {nbytes} bytes from index {tuple(i)} of {np.shape(src)} to element {dst}: "
+                         "the sizes and addresses must be multiples of 16 bytes, the bytes inside the array")
+    data = np.ascontiguousarray(row[i[-1]:i[-1] + count]).view(np.asarray(smem).dtype)
+    np.asarray(smem)[int(dst):int(dst) + data.size] = data
+    _mbarriers()[int(barrier)].complete_tx(int(nbytes))
+
+
 _red_lock = threading.Lock()
 
 

@@ -232,6 +232,30 @@ def tma_load_4d(typingctx, smem, dst, maps, which, c0, c1, c2, c3, barrier):
 
 
 @intrinsic
+def bulk_load(typingctx, smem, dst, src, i, nbytes, barrier):
+    """Copy ``nbytes`` (a multiple of 16) of global array ``src`` from its element ``i`` (a tuple of indices; the
+    bytes from there on must be ``src``'s) into ``smem[dst ..]``, both 16-byte aligned, through the bulk copy
+    engine (``cp.async.bulk``, no tensor map), completing the bytes on the mbarrier at ``smem[barrier]``."""
+    if not (_is_shared_words(smem) and isinstance(src, types.Array) and _indexes(src, i)):
+        return None
+    sig = types.void(smem, dst, src, i, types.int32, barrier)
+
+    def codegen(context, builder, signature, args):
+        st = signature.args[0]
+        dst_address = _shared_address(context, builder, st, args[0], args[1], signature.args[1])
+        bar_address = _shared_address(context, builder, st, args[0], args[5], signature.args[5])
+        source = builder.ptrtoint(_element_pointer(context, builder, signature.args[2], args[2], args[3],
+                                                   signature.args[3]), ir.IntType(64))
+        i32 = ir.IntType(32)
+        _asm(builder, [i32, ir.IntType(64), i32, i32], ir.VoidType(),
+             "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
+             "r,l,r,r,~{memory}", [dst_address, source, args[4], bar_address], True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
 def red_add2(typingctx, arr, i, x, y):
     """``arr[i] += x`` and the next element ``+= y``, atomically, by one ``red.global.add.v2.f32`` (sm_90; no
     value returned, so nothing waits for it); ``i`` indexes a float32 global array, its last index even."""

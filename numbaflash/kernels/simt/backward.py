@@ -78,22 +78,29 @@ def _signature(storage, n_outputs, mods):
             + (ACC, types.int64, types.int64, types.boolean, kernel_type(mods, ACC)))
 
 
-def row_statistics(ACC):
-    """``load(lse, delta, b, h, row) -> (lse2, dsum)``: the base-2 LSE and D of query ``row``, in ``ACC``.
+def log2_lse(ACC):
+    """``lse2(lse, b, h, row)``: the base-2 LSE of query ``row`` in ``ACC``; +inf for a row past the sequence or
+    that saw no key (LSE = -inf), so P = exp2(s - inf) = 0 there."""
+    INF, LOG2E_ = ACC(np.inf), ACC(LOG2E)
 
-    A row past the sequence, or that saw no key (LSE = -inf), gets lse2 = +inf, so P = exp2(s - inf) = 0,
-    and D = 0. Both backwards' kernels load their rows' statistics with it.
-    """
-    ZERO, INF, LOG2E_ = ACC(0), ACC(np.inf), ACC(LOG2E)
+    @device_function
+    def lse2(lse, b, h, row):
+        if row < lse.shape[2] and lse[b, h, row] != -INF:
+            return lse[b, h, row] * LOG2E_
+        return INF
+
+    return lse2
+
+
+def row_statistics(ACC):
+    """``load(lse, delta, b, h, row) -> (lse2, dsum)``: `log2_lse` and D of query ``row``, in ``ACC``; D = 0 past
+    the sequence. Both backwards' kernels load their rows' statistics with it."""
+    ZERO = ACC(0)
+    lse2 = log2_lse(ACC)
 
     @device_function
     def load(lse, delta, b, h, row):
-        lse2, dsum = INF, ZERO
-        if row < lse.shape[2]:
-            if lse[b, h, row] != -INF:
-                lse2 = lse[b, h, row] * LOG2E_
-            dsum = delta[b, h, row]
-        return lse2, dsum
+        return lse2(lse, b, h, row), (delta[b, h, row] if row < lse.shape[2] else ZERO)
 
     return load
 
@@ -121,22 +128,54 @@ def warp_row():
 def build_preprocess(D, tiles, storage, mods=NONE):
     """D[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d], one warp per row (coalesced along d)."""
     ACC, to_acc, _ = elements.codec(storage)
-    ZERO = ACC(0)
     storage_type = types.Array(from_dtype(elements.kernel_dtype(storage)), 4, "A")
     signature = (storage_type, storage_type, types.Array(ACC, 3, "A"))
+    rowsum = _rowsum(ACC, to_acc)
 
     def attention_backward_preprocess(out, dout, delta):
         # out, dout: (batch, seqlen_q, nheads, headdim); delta: (batch, nheads, seqlen_q)
         b, h, row, lane = warp_row()
-        total = ZERO
-        if row < out.shape[1]:
-            for d in range(lane, out.shape[3], 32):
-                total += to_acc(out[b, row, h, d]) * to_acc(dout[b, row, h, d])
-        total = group_sum(total, 32)  # every lane of the warp takes part, in bounds or not
+        total = rowsum(out, dout, b, h, row, lane)
         if row < out.shape[1] and lane == 0:
             delta[b, h, row] = total
 
     return attention_backward_preprocess, signature
+
+
+def build_staged_preprocess(D, tiles, storage, mods=NONE):
+    """The preprocess of kernels that copy each query tile's LSE and D in bulk (`wgmma.ws_backward`): it writes
+    ``stats[b, h, 0, i]`` = `log2_lse` and ``stats[b, h, 1, i]`` = D, for rows padded to whole tiles (+inf and
+    0 past the sequence), so a tile's statistics are two aligned runs of floats the copy engine reads."""
+    ACC, to_acc, _ = elements.codec(storage)
+    storage_type = types.Array(from_dtype(elements.kernel_dtype(storage)), 4, "A")
+    signature = (storage_type, storage_type, types.Array(ACC, 3, "A"), types.Array(ACC, 4, "C"))
+    rowsum, lse2 = _rowsum(ACC, to_acc), log2_lse(ACC)
+
+    def attention_backward_staged_preprocess(out, dout, lse, stats):
+        # out, dout: (batch, seqlen_q, nheads, headdim); lse: (batch, nheads, seqlen_q); stats: (batch, nheads,
+        # 2, seqlen_q padded)
+        b, h, row, lane = warp_row()
+        total = rowsum(out, dout, b, h, row, lane)
+        if row < stats.shape[3] and lane == 0:
+            stats[b, h, 0, row] = lse2(lse, b, h, row)
+            stats[b, h, 1, row] = total
+
+    return attention_backward_staged_preprocess, signature
+
+
+def _rowsum(ACC, to_acc):
+    """``rowsum(out, dout, b, h, row, lane)``: D of ``row`` (0 past the sequence), summed over a warp's lanes."""
+    ZERO = ACC(0)
+
+    @device_function
+    def rowsum(out, dout, b, h, row, lane):
+        total = ZERO
+        if row < out.shape[1]:
+            for d in range(lane, out.shape[3], 32):
+                total += to_acc(out[b, row, h, d]) * to_acc(dout[b, row, h, d])
+        return group_sum(total, 32)  # every lane of the warp takes part, in bounds or not
+
+    return rowsum
 
 
 def build_dq_postprocess(D, tiles, storage, mods=NONE):

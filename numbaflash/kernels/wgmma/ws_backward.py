@@ -8,10 +8,12 @@ compute, 64 keys (or query rows) each, waiting for their tiles on "full" mbarrie
 "empty" ones (`pipeline`); the consumers of a block share each streamed tile, and while one forms P and
 dS on the CUDA cores the tensor cores run the other's products.
 
+* ``preprocess`` (`simt.backward.build_staged_preprocess`): D = rowsum(dO * O) and the base-2 LSE of every
+  row, into ``stats`` (batch, nheads, 2, query rows padded to whole tiles), which the kernels below take in
+  place of ``delta``: a tile's statistics are two aligned runs of floats.
 * ``dkdv``: one block per (key block, kv head, batch element). One producer thread copies the block's K
   and V once, then each query tile's Q and dO (every query head of the GQA group in turn) into a ring
-  of ``stages``; its warp copies the tile's LSE and D beside them (32 threads, 2 ``block_n`` floats) and
-  arrives with them. A consumer's step is v3's: S^T = K Q^T and dP^T = V dO^T, P^T, dV += P^T dO, dS^T,
+  of ``stages``, and the tile's LSE and D beside them (``cp.async.bulk``, no tensor map). A consumer's step is v3's: S^T = K Q^T and dP^T = V dO^T, P^T, dV += P^T dO, dS^T,
   dK += dS^T Q.
 * ``dq``: one block per (query block, head, batch element); Q and dO once, then K and V tiles through
   the ring: S = Q K^T, dP = dO V^T, dS, dQ += dS K, the rows' LSE and D in registers.
@@ -31,8 +33,8 @@ from numba import cuda, types
 from ...mods import NONE
 from ..blocks import key_block, query_block, tensor_core_backward
 from ..fragments import fill, fragment_writer
-from ..gradients import row_steps, stats_stager
-from ..intrinsics import (device_function, fence_proxy_async, mbarrier_arrive, mbarrier_arrive_expect_tx,
+from ..gradients import row_steps
+from ..intrinsics import (bulk_load, device_function, fence_proxy_async, mbarrier_arrive_expect_tx,
                          mbarrier_init, named_barrier_sync, red_add2, setmaxnreg_dec, setmaxnreg_inc, shared_address,
                          tensormap_acquire, wgmma_commit, wgmma_fence, wgmma_ss, wgmma_wait0)
 from ..key_tiles import key_tiles
@@ -43,9 +45,8 @@ from .backward import dkdv_step, dq_step
 from .pipeline import BARRIER_ELEMENTS, PRODUCER, bulk_copier, check_registers, release, wait
 from .tiles import ALIGN, ATOM, advance, aligned_base, operand
 
-STATS_THREADS = 32  # the producer's first warp copies each query tile's LSE and D
-# Registers per thread after setmaxnreg (see `pipeline.REGISTERS`): the dK/dV producer also copies LSE and D,
-# and with 24 registers it spilled 8 bytes (ptxas, sm_90a, headdim 64); with 40, none.
+# Registers per thread after setmaxnreg (see `pipeline.REGISTERS`): when its warp also copied LSE and D through
+# registers, the dK/dV producer spilled 8 bytes with 24 (ptxas, sm_90a, headdim 64); with 40, none.
 REGISTERS = check_registers({1: (56, 256), 2: (40, 232)})
 # Launch bounds of at least one block per multiprocessor: with the thread count alone ptxas cannot tell the
 # registers at entry, ignores setmaxnreg (warning C7508) and keeps every thread at 168, where the headdim-64
@@ -54,6 +55,7 @@ MIN_BLOCKS = 1
 DS_TILES = 2  # dS^T tiles of the dK/dV kernel that accumulates dQ: one is written while the other is read
 DS_BARRIER = 3  # the named barrier of its consumers (1 and 2 are each warpgroup's own)
 DQ_ACC = types.Array(types.float32, 4, "C")
+STATS = types.Array(types.float32, 4, "C")  # the staged preprocess's (batch, nheads, 2, padded rows)
 
 
 def tensor_map_args(q, k, v, dout, tiles):
@@ -167,12 +169,12 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
     K_AT, V_AT, Q_AT, DO_AT, DS_AT, STATS_AT, BAR_AT, _ = layout_dkdv(D, tiles, accumulate_dq)
     KV_FULL, FULL, EMPTY = BAR_AT, BAR_AT + BARRIER_ELEMENTS, BAR_AT + (1 + STAGES) * BARRIER_ELEMENTS
     TILE = BLOCK_N * D  # elements of one Q or dO stage
+    STATS_BYTES = 2 * 4 * BLOCK_N  # a tile's LSE and D
     ACCUMULATE_DQ = accumulate_dq
     copy_tile = bulk_copier(D)
     operands, step = dkdv_step(D, tiles, storage, mods)
     store_ds = ds_storer(BLOCK_N) if accumulate_dq else None
     add_dq = dq_accumulator(D, tiles, storage) if accumulate_dq else None
-    load_stats, store_stats, PER_THREAD = stats_stager(BLOCK_N, STATS_THREADS)
     tile_count, tile_of, tile_full = query_tiles(mods, BLOCK_M, BLOCK_N)
     modifier = modifiers(mods, types.float32, fast=True)
     prepare, natural = modifier.prepare, modifier.natural
@@ -181,32 +183,30 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
     ZERO, ONE = types.float32(0), types.float32(1)
 
     @device_function
-    def produce(smem, base, lse, delta, maps, mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, ntiles, lane):
-        stats = cuda.shared.array(0, types.float32)  # the same memory: the rings' LSE and D
-        if lane == 0:
-            for which in range(4):  # Q, dO, K, V
-                tensormap_acquire(maps, which)
-            mbarrier_arrive_expect_tx(smem, base + KV_FULL, 2 * 2 * BLOCK_M * D)
-            copy_tile(smem, base + K_AT, base + KV_FULL, maps, 2, hk, key_start, b, BLOCK_M)
-            copy_tile(smem, base + V_AT, base + KV_FULL, maps, 3, hk, key_start, b, BLOCK_M)
-        regs = cuda.local.array(PER_THREAD, types.float32)
+    def produce(smem, base, delta, maps, mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, ntiles):
+        for which in range(4):  # Q, dO, K, V
+            tensormap_acquire(maps, which)
+        mbarrier_arrive_expect_tx(smem, base + KV_FULL, 2 * 2 * BLOCK_M * D)
+        copy_tile(smem, base + K_AT, base + KV_FULL, maps, 2, hk, key_start, b, BLOCK_M)
+        copy_tile(smem, base + V_AT, base + KV_FULL, maps, 3, hk, key_start, b, BLOCK_M)
         for it in range(ntiles):
             s = it % STAGES
             h, q_start = tile_of(mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, it)
-            load_stats(regs, lse, delta, b, h, q_start, lane)  # before the wait: its latency hides under it
             wait(smem, base + EMPTY + s * BARRIER_ELEMENTS, ((it // STAGES) & 1) ^ 1)
             full = base + FULL + s * BARRIER_ELEMENTS
-            if lane == 0:
-                mbarrier_arrive_expect_tx(smem, full, 2 * 2 * BLOCK_N * D)
-                copy_tile(smem, base + Q_AT + s * TILE, full, maps, 0, h, q_start, b, BLOCK_N)
-                copy_tile(smem, base + DO_AT + s * TILE, full, maps, 1, h, q_start, b, BLOCK_N)
-            store_stats(stats, (base + STATS_AT) // 2 + s * 2 * BLOCK_N, regs, lane)
-            mbarrier_arrive(smem, full)  # releases this thread's LSE and D stores with it
+            mbarrier_arrive_expect_tx(smem, full, 2 * 2 * BLOCK_N * D + STATS_BYTES)
+            copy_tile(smem, base + Q_AT + s * TILE, full, maps, 0, h, q_start, b, BLOCK_N)
+            copy_tile(smem, base + DO_AT + s * TILE, full, maps, 1, h, q_start, b, BLOCK_N)
+            # The tile's LSE, then its D (float32: two 16-bit elements each), as the consumers read them.
+            stats_at = base + STATS_AT + s * 4 * BLOCK_N
+            bulk_load(smem, stats_at, delta, (b, h, 0, q_start), STATS_BYTES // 2, full)
+            bulk_load(smem, stats_at + 2 * BLOCK_N, delta, (b, h, 1, q_start), STATS_BYTES // 2, full)
 
     @device_function
     def key_pass(q, k, v, dout, lse, delta, dk, dv, dq_acc, scale_log2, left, right, vec, maps, mod):
         # q, dout: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v, dk, dv: (batch, seqlen_k, nheads_kv,
-        # headdim); lse, delta: (batch, nheads, seqlen_q); dq_acc: see build_dkdv_dq (unused without it)
+        # headdim); lse: (batch, nheads, seqlen_q), unread; delta: the staged preprocess's stats (batch, nheads, 2,
+        # rows padded); dq_acc: see build_dkdv_dq (unused without it)
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         group = q.shape[2] // k.shape[2]
         b, hk, key_start, q_lo, q_hi = key_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
@@ -218,14 +218,14 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
         if tid == 0:
             mbarrier_init(smem, base + KV_FULL, 1)
             for s in range(STAGES):
-                mbarrier_init(smem, base + FULL + s * BARRIER_ELEMENTS, 1 + STATS_THREADS)
+                mbarrier_init(smem, base + FULL + s * BARRIER_ELEMENTS, 1)
                 mbarrier_init(smem, base + EMPTY + s * BARRIER_ELEMENTS, CONSUMERS)
         cuda.syncthreads()
 
         if tid < PRODUCER:
             release_registers()
-            if tid < STATS_THREADS and ntiles > 0:
-                produce(smem, base, lse, delta, maps, mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, ntiles, tid)
+            if tid == 0 and ntiles > 0:  # one thread issues the bulk copies
+                produce(smem, base, delta, maps, mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, ntiles)
             return
 
         take_registers()
@@ -263,10 +263,10 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
                 step(smem, descs, at, s, dp, dlogit, p, d_s, dk_acc, dv_acc, stats, st, q_start, warp_key, key_start,
                      g, t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh, tile_full(mod, b, hk, key_start, it))
                 # The warpgroup's threads read the stage's LSE and D with ordinary loads: a barrier completes
-                # those reads before the one arrival, which releases them to the producer's next stores. racecheck
-                # does not follow that chain (12 hazards on these reads in scripts/sanitize.py); an arrival by every
-                # thread, on one mbarrier or one per warp, satisfied it (0 hazards) but ran 0.73-0.75x SDPA flash
-                # at headdim 128 against 0.93-0.98x (H100, fp16, .bench/racebwd.py).
+                # those reads before the one arrival that lets the copy engine overwrite them. racecheck does not
+                # follow that chain (12 hazards on these reads, whether the producer's warp stored them or, now,
+                # the copy engine: README, racecheck); an arrival by every thread, which it followed, ran
+                # 0.73-0.75x SDPA flash at headdim 128 against 0.93-0.98x (H100, fp16, .bench/racebwd.py).
                 if ACCUMULATE_DQ:
                     ds_at = DS_AT + (it % DS_TILES) * BLOCK_M * BLOCK_N
                     store_ds(d_s, words, (base + ds_at) // 2, (warp_key - key_start) // 16, g, t)
@@ -309,7 +309,7 @@ def build_dq(D, tiles, storage, mods=NONE):
     TILE = BLOCK_N * D  # elements of one K or V stage
     copy_tile = bulk_copier(D)
     operands, step = dq_step(D, tiles, storage, mods)
-    rows, _ = row_steps(1, NT, mods)
+    rows, _ = row_steps(1, NT, mods, staged=True)
     tile_count, tile_start, tile_full = key_tiles(mods, BLOCK_M, BLOCK_N)
     modifier = modifiers(mods, types.float32, fast=True)
     prepare, natural = modifier.prepare, modifier.natural
@@ -335,7 +335,7 @@ def build_dq(D, tiles, storage, mods=NONE):
 
     def attention_backward_dq_wgmma_ws(q, k, v, dout, lse, delta, dq, scale_log2, left, right, vec, maps, mod):
         # q, dout, dq: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v: (batch, seqlen_k, nheads_kv,
-        # headdim); lse, delta: (batch, nheads, seqlen_q)
+        # headdim); lse: (batch, nheads, seqlen_q), unread; delta: the staged preprocess's stats
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
         tid = cuda.threadIdx.x
@@ -400,6 +400,7 @@ build_dkdv.min_blocks = build_dkdv_dq.min_blocks = build_dq.min_blocks = MIN_BLO
 
 
 def _signature(n_outputs, mods):
-    """The tensor-core backward's signature with the tensor maps' address before the modifications' values."""
+    """The tensor-core backward's signature with the staged preprocess's stats in place of delta and the tensor
+    maps' address before the modifications' values."""
     base = tensor_core_backward(n_outputs, mods)
-    return base[:-1] + (types.int64,) + base[-1:]
+    return base[:5] + (STATS,) + base[6:-1] + (types.int64,) + base[-1:]
