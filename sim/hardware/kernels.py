@@ -175,9 +175,9 @@ def _simt_outputs(ledger, plan, out, lse, b, h, row0, name):
         ledger.charge("store", ("lse", b, h, row0), key, make)
 
 
-def _statistics(ledger, ops, b, h, q0, rows, kind, rows_of):
+def _statistics(ledger, plan, ops, b, h, q0, rows, kind, rows_of):
     """LSE and D rows a backward block reads (``rows_of(q0)``: lane rows, instructions x lanes)."""
-    if len(ops["delta"].shape) == 4:
+    if plan.staged_statistics:
         _staged_statistics(ledger, ops["delta"], b, h, q0, rows, kind, rows_of)
         return
     for name in ("lse", "delta"):
@@ -296,7 +296,7 @@ def preprocess_blocks(plan, ops, rows_per_block, ledger):
     statistics (`simt.backward.build_staged_preprocess`) reads the row's LSE and writes both to ``stats``,
     for rows padded to whole tiles."""
     out, delta = ops["out"], ops["delta"]
-    staged = len(delta.shape) == 4
+    staged = plan.staged_statistics
     slots = 32 * -(-plan.headdim // 32)
     for b in range(plan.batch):
         for h in range(plan.nheads):
@@ -357,7 +357,7 @@ def dkdv_blocks(walk, ledger, accumulate_dq=False):
                         for _ in range(1 if mma else 2):
                             walk.stager.stage(ledger, "q", ops["q"], b, h, q_start, bq)
                             walk.stager.stage(ledger, "dout", ops["dout"], b, h, q_start, bq)
-                        _statistics(ledger, ops, b, h, q_start, bq, "dkdv", rows_of)
+                        _statistics(ledger, walk.plan, ops, b, h, q_start, bq, "dkdv", rows_of)
                         if accumulate_dq:
                             _reduce_dq(ledger, ops["dq_acc"], b, h, q_start, bq)
                 walk.outputs(ledger, "dk", None, b, hk, key_start)
@@ -415,7 +415,7 @@ def dq_blocks(walk, ledger):
         if len(tiles):
             walk.stager.stage(ledger, "q", ops["q"], b, h, row_start, bm)
             walk.stager.stage(ledger, "dout", ops["dout"], b, h, row_start, bm)
-            _statistics(ledger, ops, b, h, row_start, bm, "dq", rows_of)
+            _statistics(ledger, walk.plan, ops, b, h, row_start, bm, "dq", rows_of)
             for n in tiles:
                 for _ in range(1 if mma else 2):
                     walk.stager.stage(ledger, "k", ops["k"], b, h // walk.group, n, bn)
