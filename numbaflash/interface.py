@@ -380,17 +380,18 @@ def vector_staging(plan, *operands):
     return all(op.vector_aligned(tiling.vector_elements(plan.tiles)) for op in operands)
 
 
-def _forward_scalars(call, plan):
-    """The forward kernels' scalar arguments after the operands, (scale, left, right, vector staging), once the
-    staging is found to suit ``plan``'s copies."""
-    vec = vector_staging(plan, call.q, call.k, call.v)
+def _scalars(call, plan, *operands):
+    """The kernels' scalar arguments after the operands, (scale, left, right, vector staging of ``operands``),
+    once the staging is found to suit ``plan``'s copies."""
+    vec = vector_staging(plan, *operands)
     tiling.check_copy_engine(plan.tiles, vec)
     return _scale_arg(call), call.left, call.right, vec
 
 
 def run_forward(call, plan, out, lse):
     """Launch the forward kernel of ``plan`` on validated operands (``out``, ``lse`` preallocated)."""
-    args = [call.q, call.k, call.v, out, lse, *call.remembered(("scalars", plan.tiles), lambda: _forward_scalars(call, plan))]
+    scalars = call.remembered(("scalars", plan.tiles), lambda: _scalars(call, plan, call.q, call.k, call.v))
+    args = [call.q, call.k, call.v, out, lse, *scalars]
     if isinstance(plan.tiles, tiling.WgmmaTiles) and plan.tiles.producer:
         args.append(wgmma_ws_forward.tensor_map_args(call.q, call.k, call.v, plan.tiles))
     mod_values = call.mod_values
@@ -410,17 +411,15 @@ def run_backward(call, plan, dout, lse, out, delta, dq, dk, dv, preprocess=None)
     q, k, v = call.q, call.k, call.v
     # The caller's dout, out and lse have q's shapes but strides and alignment of their own: what depends on
     # them is kept per layout of those too.
-    vec = call.remembered(("staging", plan.tiles, dout.strides, dout.ptr % 16),
-                          lambda: vector_staging(plan, q, k, v, dout))
+    extra = call.remembered(("scalars", plan.tiles, dout.strides, dout.ptr % 16),
+                            lambda: _scalars(call, plan, q, k, v, dout))
     layout = call.remembered(("launches", dout.strides, dout.ptr % 16, out.strides, lse.strides), dict)
-    extra = (_scale_arg(call), call.left, call.right, vec)
     if preprocess is None:
         _launch(plan, 0, stream, NONE, out, dout, *((lse,) if plan.staged_statistics else ()), delta, layout=layout)
     else:
         _launch(plan, 0, stream, NONE, *preprocess[:3], grid=preprocess[3])
     maps = ((), ())
     if isinstance(plan.tiles, tiling.WgmmaTiles) and plan.tiles.producer:
-        tiling.check_copy_engine(plan.tiles, vec)
         maps = tuple((m,) for m in wgmma_ws_backward.tensor_map_args(q, k, v, dout, plan.tiles))
     # Both passes own block_m rows (keys, then queries) and stream block_n; with a block mask each gets the
     # list of tiles it visits, first in its mod tuple.

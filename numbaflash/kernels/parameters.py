@@ -65,12 +65,12 @@ class Packer:
         # What changes from launch to launch of one layout: an array's address (its fifth member) and an int64
         # scalar, written as 8-byte words (the driver aligns them so), and the other scalars, compared.
         starts = [0] + list(itertools.accumulate(sizes))[:-1]
-        self._words = [(offsets[at + 4] if itemsize is not None else offsets[at], i, itemsize is not None)
-                       for i, (at, t, itemsize) in enumerate(zip(starts, flat, self._itemsizes))
-                       if itemsize is not None or t == types.int64]
-        if any(offset % 8 for offset, _, _ in self._words):
+        words = [(offsets[at + 4] if itemsize is not None else offsets[at], i, itemsize is not None)
+                 for i, (at, t, itemsize) in enumerate(zip(starts, flat, self._itemsizes))
+                 if itemsize is not None or t == types.int64]
+        if any(offset % 8 for offset, _, _ in words):
             raise RuntimeError(f"kernel parameter offsets are not 8-byte aligned: {offsets}")
-        self._words = [(offset // 8, i, is_array) for offset, i, is_array in self._words]
+        self._words = [(offset // 8, i, is_array) for offset, i, is_array in words]
         self._compared = [i for i, (t, itemsize) in enumerate(zip(flat, self._itemsizes))
                           if itemsize is None and t != types.int64]
         self._local = threading.local()
@@ -111,14 +111,15 @@ class Packer:
         flat = []
         flat_values(args, flat)
         slot = self._slot()
-        compared = tuple([flat[i] for i in self._compared]) if layout is not None else None
-        kept = layout.get(self) if layout is not None else None
-        if kept is not None and kept[1] == compared:
-            ctypes.memmove(slot[0], kept[0], self.size)
-            words = slot[4]
-            for at, i, is_array in self._words:
-                words[at] = flat[i].ptr if is_array else flat[i]
-            return slot
+        if layout is not None:
+            compared = tuple([flat[i] for i in self._compared])
+            kept = layout.get(self)
+            if kept is not None and kept[1] == compared:
+                ctypes.memmove(slot[0], kept[0], self.size)
+                words = slot[4]
+                for at, i, is_array in self._words:
+                    words[at] = flat[i].ptr if is_array else flat[i]
+                return slot
         self._struct.pack_into(slot[0], 0, *self._values(flat))
         if layout is not None:
             layout[self] = (bytes(slot[0]), compared)
