@@ -10,7 +10,7 @@ from numbaflash.kernels.intrinsics import (SIMULATOR, bulk_load, cp_async_16, cp
                                            ldmatrix_x4_trans, load4, mbarrier_arrive, mbarrier_arrive_expect_tx,
                                            mbarrier_init, mbarrier_try_wait,
                                            mma_bf16, mma_f16, named_barrier_arrive, named_barrier_sync,
-                                           pack_bf16, pack_f16, rcp)
+                                           pack_bf16, pack_f16, rcp, tanh_approx)
 
 HALVES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
@@ -105,7 +105,7 @@ def test_cp_async_copies_16_bytes_and_zero_fills(arrays):
 
 
 @cuda.jit
-def pack_kernel(x, f16, bf16, e2, r):
+def pack_kernel(x, f16, bf16, e2, r, th):
     i = cuda.grid(1)
     if i < x.shape[0] // 2:
         f16[i] = pack_f16(x[2 * i], x[2 * i + 1])
@@ -113,19 +113,24 @@ def pack_kernel(x, f16, bf16, e2, r):
     if i < x.shape[0]:
         e2[i] = ex2(x[i])
         r[i] = rcp(x[i])
+        th[i] = tanh_approx(x[i])
 
 
-def test_pack_rounds_to_nearest_and_ex2_and_rcp_are_their_functions(arrays):
+def test_pack_rounds_to_nearest_and_ex2_rcp_and_tanh_are_their_functions(arrays):
     to_device, to_host = arrays
     rng = np.random.default_rng(1)
-    x = (rng.standard_normal(64) * 4).astype(np.float32)
-    f16, bf16, e2, r = (to_device(np.zeros(n, dt)) for n, dt in ((32, np.uint32), (32, np.uint32), (64, np.float32),
-                                                                 (64, np.float32)))
-    pack_kernel[1, 64](to_device(x), f16, bf16, e2, r)
+    # Scores over many binades (tanh.approx's error is relative), both signs, and past tanh's saturation.
+    x = (rng.standard_normal(256) * np.exp2(rng.integers(-12, 5, 256))).astype(np.float32)
+    f16, bf16, e2, r, th = (to_device(np.zeros(n, dt)) for n, dt in ((128, np.uint32), (128, np.uint32),
+                                                                     (256, np.float32), (256, np.float32),
+                                                                     (256, np.float32)))
+    pack_kernel[1, 256](to_device(x), f16, bf16, e2, r, th)
     np.testing.assert_array_equal(to_host(f16), x.astype(np.float16).view(np.uint32))
     np.testing.assert_array_equal(to_host(bf16), x.astype(ml_dtypes.bfloat16).view(np.uint32))
-    np.testing.assert_allclose(to_host(e2), np.exp2(x.astype(np.float64)), rtol=2e-7)  # ex2.approx: 2 ulp
+    finite = np.abs(x) < 100  # ex2 of the rest over- or underflows to inf or 0, as 2^x in float32
+    np.testing.assert_allclose(to_host(e2)[finite], np.exp2(x.astype(np.float64))[finite], rtol=2e-7)  # 2 ulp
     np.testing.assert_allclose(to_host(r), 1 / x.astype(np.float64), rtol=1.2e-7)  # rcp.approx: 1 ulp
+    np.testing.assert_allclose(to_host(th), np.tanh(x.astype(np.float64)), rtol=2.0 ** -10.9)  # tanh.approx
 
 
 @cuda.jit

@@ -26,7 +26,9 @@ Tensor cores (compute capability >= 8.0; register fragments as in the PTX ISA, l
   shared memory, without registers; ``nbytes = 0`` writes zeros. ``cp_async_commit()``,
   ``cp_async_wait_all()`` and ``cp_async_wait_one()`` (all but the newest group landed).
 * ``pack_f16(lo, hi)`` / ``pack_bf16``: two float32 rounded to nearest into one f16x2 / bf16x2 word.
-* ``ex2(x)``: ``ex2.approx.ftz.f32``, 2^x; ``rcp(x)``: ``rcp.approx.ftz.f32``, 1 / x (1 ulp).
+* ``ex2(x)``: ``ex2.approx.ftz.f32``, 2^x; ``rcp(x)``: ``rcp.approx.ftz.f32``, 1 / x (1 ulp);
+  ``tanh_approx(x)``: ``tanh.approx.f32``, tanh x (one special-function instruction, relative error about
+  2^-11; the emulation rounds the exact value).
 * ``named_barrier_sync(barrier, threads)``, ``named_barrier_arrive(barrier, threads)``: ``bar.sync`` /
   ``bar.arrive`` on hardware barrier ``barrier`` (1 to 15; syncthreads has 0), which ``threads`` arrivals
   (a multiple of 32) complete; ``sync`` waits for that, ``arrive`` does not.

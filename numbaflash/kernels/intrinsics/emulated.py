@@ -128,6 +128,9 @@ def rcp(x):
     with np.errstate(divide="ignore"):
         return np.float32(np.float32(1) / np.float32(x))
 
+def tanh_approx(x):
+    return np.float32(np.tanh(np.float32(x)))
+
 
 class _NamedBarrier:
     """A hardware barrier other than syncthreads': the ``threads``-th arrival completes it and releases

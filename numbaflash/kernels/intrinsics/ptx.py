@@ -187,6 +187,7 @@ def _unary_f32(instruction):
 
 ex2 = _unary_f32("ex2.approx.ftz.f32")
 rcp = _unary_f32("rcp.approx.ftz.f32")
+tanh_approx = _unary_f32("tanh.approx.f32")
 
 @intrinsic
 def float_bits(typingctx, x):

@@ -265,7 +265,8 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
                 # The warpgroup's threads read the stage's LSE and D with ordinary loads: a barrier completes
                 # those reads before the one arrival that lets the copy engine overwrite them. racecheck does not
                 # follow that chain (12 hazards on these reads, whether the producer's warp stored them or, now,
-                # the copy engine: README, racecheck); an arrival by every thread, which it followed, ran
+                # the copy engine: README, racecheck), nor a warp's bar.warp.sync before its lane 0's arrival
+                # (the same 12, at the same speed); an arrival by every thread, which it followed, ran
                 # 0.73-0.75x SDPA flash at headdim 128 against 0.93-0.98x (H100, fp16, .bench/racebwd.py).
                 if ACCUMULATE_DQ:
                     ds_at = DS_AT + (it % DS_TILES) * BLOCK_M * BLOCK_N
