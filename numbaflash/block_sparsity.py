@@ -109,29 +109,57 @@ class BlockMask:
         return self._visited[key]
 
     def key_tiles(self, block_m, block_n, left, right, like):
-        """The forward's schedule (`kernels.key_tiles`): int32 ``(batch or 1, nheads or 1, query tiles, key tiles
-        + 2)``; entry 0 of a query tile counts the key tiles it visits (`visited`), and entries 1.. are
-        ``2 * key tile + (1 if FULL)``, ascending. An array of the kind and device of `_arrays.Operand`
-        ``like``, cached."""
+        """The forward's schedule (`kernels.key_tiles`): ``(table, bits)``, arrays of the kind and device of
+        `_arrays.Operand` ``like``, cached.
+
+        ``table``: int32 ``(batch or 1, nheads or 1, query tiles, 2 (key tiles + 1))``; entry 0 of a query tile
+        counts the key tiles it visits (`visited`), entries 1.. are ``2 * key tile + (1 if FULL)``, ascending,
+        and entry ``key tiles + 2 + i`` is the ``i``-th visited tile's slot in ``bits`` (-1 for a full one).
+        ``bits``: uint32 ``(partial tiles or 1, block_m, words)``, ``words = cdiv(block_n, 32)``: bit ``c % 32``
+        of word ``c // 32`` of row ``r`` of a slot is mask_mod's verdict on its tile's row ``r``, key ``c``,
+        where the call's causal/window mask shows it inside the sequences (0 elsewhere)."""
         key = (block_m, block_n, left, right, like.kind, like.device)
         if key not in self._tables:
             classes, visited = self.classify(block_m, block_n), self.visited(block_m, block_n, left, right)
+            ktiles = classes.shape[3]
             # One spare entry past the last tile: kernels read the next tile's start before they test the count.
-            table = np.zeros(classes.shape[:3] + (classes.shape[3] + 2,), np.int32)
+            table = np.zeros(classes.shape[:3] + (2 * (ktiles + 1),), np.int32)
+            partial = []  # (b, h, query tile, key tile) of each slot, in slot order
+            slots = 0
             for b, h, qt in np.ndindex(*classes.shape[:3]):
                 tiles = np.flatnonzero(visited[b, h, qt])
                 table[b, h, qt, 0] = len(tiles)
                 table[b, h, qt, 1:1 + len(tiles)] = 2 * tiles + (classes[b, h, qt, tiles] == FULL)
-            self._tables[key] = _arrays.from_host(like, table)
+                is_partial = classes[b, h, qt, tiles] == PARTIAL
+                count = int(is_partial.sum())
+                table[b, h, qt, ktiles + 2:ktiles + 2 + len(tiles)] = np.where(
+                    is_partial, slots + np.cumsum(is_partial) - 1, -1)
+                partial += [(b, h, qt, tile) for tile in tiles[is_partial]]
+                slots += count
+            bits = self.partial_bits(np.array(partial, np.int64).reshape(-1, 4), block_m, block_n, left, right)
+            self._tables[key] = (_arrays.from_host(like, table), _arrays.from_host(like, bits))
         return self._tables[key]
+
+    def partial_bits(self, tiles, block_m, block_n, left, right):
+        """uint32 ``(len(tiles) or 1, block_m, cdiv(block_n, 32))``: the mask_mod's verdicts on each of ``tiles``
+        (rows of ``(b, h, query tile, key tile)``), as `key_tiles` lays them out."""
+        lo, hi = np.array([masks.key_range(i, self.seqlen_q, self.seqlen_k, left, right)
+                           for i in range(self.seqlen_q)], dtype=np.int64).T.copy()
+        bits = np.zeros((max(1, len(tiles)), block_m, -(-block_n // 32)), np.uint32)
+        parallel = len(tiles) * block_m * block_n >= PARALLEL_SCORES
+        with _PARALLEL_LOCK if parallel else contextlib.nullcontext():
+            args = tuple(np.asarray(a) for a in self.mod_args)
+            _bits_loop(self.mask_mod, parallel)(bits, tiles, block_m, block_n, lo, hi, args)
+        return bits
 
     def query_tiles(self, block_m, block_n, left, right, group, like):
         """A dK/dV pass's schedule (`kernels.query_tiles`) for blocks of ``block_m`` keys streaming tiles of
         ``block_n`` query rows, GQA groups of ``group`` query heads: int32 ``(batch or 1, kv heads or 1, key
         blocks, group * query tiles + 2)``; entry 0 of a key block counts the (head, query tile) pairs it
         visits (`visited`'s tiles, over the group's heads), and entries 1.. are ``2 * (j * query tiles +
-        query tile) + (1 if FULL)`` for the group's ``j``-th head, heads in order, tiles ascending. An array of
-        the kind and device of `_arrays.Operand` ``like``, cached."""
+        query tile) + (1 if FULL)`` for the group's ``j``-th head, heads in order, tiles ascending; paired, as
+        `key_tiles`' table is, with a bits array (here one unused word). Arrays of the kind and device of
+        `_arrays.Operand` ``like``, cached."""
         key = ("query", block_m, block_n, left, right, group, like.kind, like.device)
         if key not in self._tables:
             classes, visited = self.classify(block_n, block_m), self.visited(block_n, block_m, left, right)
@@ -147,7 +175,8 @@ class BlockMask:
                 visits = np.concatenate(visits)
                 table[b, hk, kt, 0] = len(visits)
                 table[b, hk, kt, 1:1 + len(visits)] = visits
-            self._tables[key] = _arrays.from_host(like, table)
+            # The kernels' ``mod[0]`` has `key_tiles`' type; a dK/dV pass asks mask_mod on its partial tiles.
+            self._tables[key] = (_arrays.from_host(like, table), _arrays.from_host(like, np.zeros((1, 1, 1), np.uint32)))
         return self._tables[key]
 
     def visible_scores(self, left, right, batch, nheads):
@@ -199,6 +228,31 @@ def _counting_loop(mask_mod, parallel):
                             counts[b, h, row_tile, tile] += seen
 
     return count
+
+
+@functools.lru_cache(maxsize=None)
+def _bits_loop(mask_mod, parallel):
+    """A Numba loop setting ``bits[s, r, c // 32]``'s bit ``c % 32`` where ``mask_mod`` shows row ``r``, key ``c``
+    of tile ``tiles[s] = (b, h, query tile, key tile)`` among the keys ``[lo[i], hi[i])`` of its row ``i``; with
+    ``parallel``, the tiles run on every core (each owns its slot)."""
+    import numba
+
+    f = numba.njit(mask_mod)
+
+    @numba.njit(parallel=parallel)
+    def fill(bits, tiles, rows, cols, lo, hi, args):
+        for slot in numba.prange(tiles.shape[0]):
+            b, h, row_tile, tile = tiles[slot, 0], tiles[slot, 1], tiles[slot, 2], tiles[slot, 3]
+            for r in range(rows):
+                i = row_tile * rows + r
+                if i >= lo.shape[0]:
+                    break
+                for j in range(max(lo[i], tile * cols), min(hi[i], tile * cols + cols)):
+                    if f(b, h, i, j, *args):
+                        c = j - tile * cols
+                        bits[slot, r, c // 32] |= np.uint32(1) << np.uint32(c % 32)
+
+    return fill
 
 
 def _size(value, name, optional=False):

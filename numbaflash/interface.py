@@ -296,7 +296,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         mod_args: arrays (of q's kind and device: integers, bools, float32 or float64) the functions read.
             See `numbaflash.mods` for the order and the limits.
         block_mask: a `numbaflash.block_mask(mask_mod, ...)`: the kernel visits only the key tiles where the
-            mask shows a score, and calls mask_mod only on tiles it does not show whole.
+            mask shows a score, and on tiles it does not show whole reads the verdicts the block mask kept
+            as bits (tensor-core kernels) or calls mask_mod (CUDA cores).
 
     Returns:
         out with q's shape and dtype; with ``return_lse``, also lse ``(batch, nheads, seqlen_q)`` (``(seqlen_q,)``
@@ -458,7 +459,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         plan: a ``plan(..., backward=True)`` for this call.
         softcap, alibi_slopes, score_mod, score_mod_grad, mask_mod, mod_args, block_mask: as passed to
             `attention`; with a ``score_mod``, ``score_mod_grad`` is required. With a block mask both passes
-            visit only its non-empty tiles and call its mask_mod on the partial ones, as the forward does.
+            visit only its non-empty tiles and call its mask_mod on the partial ones (a tensor-core forward
+            reads the block mask's verdicts there instead).
         deterministic: True (the default): no atomics, repeated calls return bitwise identical gradients.
             False (flash-attn's meaning) allows a backward whose dQ sums in a varying order: with v5's tiles
             asked for (``plan=``), the wgmma backward then forms dQ in its dK/dV kernel and adds it with
@@ -559,7 +561,8 @@ def _modifications_line(modified):
         return "none (no softcap, ALiBi, score_mod or mask_mod)"
     how = ["scores modified in natural-log units" if modified.scores_modified else "scores keep the plain scale"]
     if modified.mask_mod is not None:
-        how.append("mask_mod on every tile " + ("the block mask does not find full" if modified.block_sparse
+        how.append("mask_mod on every tile " + ("the block mask does not find full (a tensor-core forward reads "
+                                               "the verdicts the block mask keeps as bits there)" if modified.block_sparse
                                                else "the causal/window mask shows"))
     return (f"{modified.describe()}, compiled into the kernels: {'; '.join(how)} (the traffic below leaves out "
             "the slopes and mod_args they read, which the caches serve)")
@@ -576,8 +579,11 @@ def _block_mask_lines(call, the_plan, backward):
         if the_plan.dq_strategy != "atomic":
             tiles += f" and {call.block_mask.density(bm, bn):.1%} of the {bm} x {bn} tiles of the dQ pass"
         tiles += " are not empty: the backward visits"
-    return [f"block mask  {tiles} only those, and calls mask_mod on the partial ones (the HBM traffic and the GPU "
-            "line below count only those)"]
+    from_bits = not backward and not isinstance(the_plan.tiles, tiling.Tiles)  # the tensor-core forwards
+    partial = ("reads the block mask's verdicts on the partial ones (kept as bits when it made its tiles)"
+               if from_bits else "calls mask_mod on the partial ones")
+    return [f"block mask  {tiles} only those, and {partial} (the HBM traffic and the GPU line below count only "
+            "those)"]
 
 
 EXPLAIN_TILE_VISITS = 500_000  # about 5 s of `sim.hardware.predict`: explain skips (and says so) past this

@@ -219,8 +219,9 @@ SIMULATOR_MMA_TILES = MmaTiles(32, 16, 1, 2)
 #   at 128 x 128 with two; headdim 128 at 128 x 128 0.83-1.55x (128 x 160 equal within noise); headdim
 #   256 at 128 x 48 1.07-1.65x, against mma.sync's 0.43-0.53x (128 x 64 ran 1.24-1.82x but keeps 8 bytes
 #   of local memory; 128 x 48 keeps none).
-# Three consumers get 152 registers each, which modifications (softcap and ALiBi: 412 bytes of spill
-# stores) do not fit in: modified calls at headdim 64 run two consumers (WGMMA_MODIFIED_TILES).
+# Three consumers get 152 registers each, which modifications do not fit in (ptxas 13.0 spill stores,
+# 2026-11-25: softcap 164 bytes, softcap with ALiBi 184, ALiBi 432, a block mask 168): modified calls at
+# headdim 64 run two consumers (WGMMA_MODIFIED_TILES).
 # Inputs the copy engine cannot read (`make_plan`'s ``aligned``) and packed sequences run v3 with cp.async
 # (WGMMA_CP_ASYNC_TILES); at headdim 256, which v3 has no tiles for, mma.sync (on the simulator too).
 # Head dims up to 32 stay on mma.sync, whose 16- and 32-wide buckets pad less than wgmma's 64-wide atoms.

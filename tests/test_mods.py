@@ -260,10 +260,10 @@ def test_a_compile_error_names_the_function_and_its_line():
 
 def test_a_block_mask_gives_the_dense_mask_mod_result(arrays, mode):
     """Documents of a packed sequence, causal inside each: the forward with the block mask visits only the
-    non-empty tiles and skips mask_mod on full ones, and gives the dense mask_mod call's result in every
+    non-empty tiles, skips mask_mod on full ones and reads its verdicts on partial ones from the block mask's
+    bits, and gives the dense mask_mod call's result in every
     forward family: bit for bit on the simulator; on a GPU to an ulp, as the dense call's visits to empty
-    tiles rescale its sums by ex2 of a product's rounding error (the FMA keeps it: 1 - 2^-24, not 1).
-    The backward with it matches the reference."""
+    tiles rescale its sums by ex2 of a product's rounding error (the FMA keeps it: 1 - 2^-24, not 1)."""
     to_device, to_host = arrays
     seqlen = 40 if mode == "simulator" else 2048
     doc = np.repeat(np.arange(4), [6, 20, 3, seqlen - 29]).astype(np.int32)[None]  # (1, seqlen)
@@ -281,6 +281,36 @@ def test_a_block_mask_gives_the_dense_mask_mod_result(arrays, mode):
             ulp = float(np.finfo(np.float32).eps if dtype == "float32" else 2 ** -10)
             np.testing.assert_allclose(sparse.astype(np.float32), dense.astype(np.float32), rtol=2 * ulp, atol=ulp,
                                        err_msg=family)
+
+
+@pytest.mark.parametrize("left,right", [(-1, -1), (-1, 0), (5, 2)])
+def test_the_bits_of_partial_tiles_are_the_mask_where_the_window_shows_it(left, right):
+    """`BlockMask.key_tiles`: every partial tile a query tile visits has a slot, and its bits are mask_mod's
+    verdicts on the scores the causal/window mask shows (0 elsewhere, where mask_mod is never asked); a full
+    tile has slot -1. 24 keys per tile: a row's verdicts end inside its word."""
+    seqlen_q, seqlen_k, rows, cols = 45, 50, 16, 24
+    doc = np.repeat(np.arange(3), [7, 30, 13])[None].astype(np.int32)
+    bm = numbaflash.block_mask(same_document_causal, None, None, seqlen_q, seqlen_k, mod_args=(doc,))
+    like = numbaflash._arrays.Operand(doc, "numpy", doc.shape, doc.strides, "int32", -1, 0)
+    table, bits = (x.obj for x in bm.key_tiles(rows, cols, left, right, like))
+    classes = bm.classify(rows, cols)
+    want = reference.visible_mask(seqlen_q, seqlen_k, causal=False, window_size=(left, right)) & \
+        numbaflash.mods.visible(same_document_causal, (1, 1, seqlen_q, seqlen_k), (doc,))[0, 0]
+    slots = 0
+    half = table.shape[3] // 2
+    for qt in range(table.shape[2]):
+        count = table[0, 0, qt, 0]
+        for entry, slot in zip(table[0, 0, qt, 1:1 + count], table[0, 0, qt, half + 1:half + 1 + count]):
+            kt = entry >> 1
+            assert (slot >= 0) == (classes[0, 0, qt, kt] == block_sparsity.PARTIAL)
+            if slot >= 0:
+                slots += 1
+                r0, c0 = qt * rows, kt * cols
+                tile = want[r0:r0 + rows, c0:c0 + cols]
+                got = (bits[slot][:, :, None] >> np.arange(32, dtype=np.uint32)) & 1  # (rows, words, 32)
+                got = got.reshape(rows, -1)[:tile.shape[0], :tile.shape[1]].astype(bool)
+                assert np.array_equal(got, tile), (qt, kt)
+    assert slots == len(bits) > 0
 
 
 def same_document_per_head(b, h, q_idx, kv_idx, doc):

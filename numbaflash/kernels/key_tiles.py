@@ -11,26 +11,33 @@
   kernel skips mask_mod there); False without a block mask.
 
 With a block mask (``mods.block_sparse``) ``mod[0]`` is `numbaflash.block_sparsity.BlockMask.key_tiles`'s
-table, made for these tiles and the call's causal/window mask: entry 0 of a query tile is its count,
-entries 1.. are ``2 * key tile + full``.
+``(table, bits)``, made for these tiles and the call's causal/window mask: entry 0 of a query tile is its
+count, entries 1.. are ``2 * key tile + full`` and, after them, each partial tile's slot in ``bits``:
+`verdict_slot` and `verdict_word` read them for the forwards' `softmax.steps` mask, which asks mask_mod
+nothing on a block-masked call.
 
-Skipping mask_mod on full tiles costs registers: with ``full`` from the table, ptxas 13.0 keeps 124 bytes of
-local memory in v5's forward at headdim 128 with a causal block mask (0 where every visited tile asks the
-mask_mod), as the choice between the two paths is made per tile. The skip still ran faster (H100, fp16,
+Skipping mask_mod on full tiles costs registers, as the choice between the two paths is made per tile: with
+``full`` from the table, ptxas 13.0 kept 124 bytes of local memory in v5's forward at headdim 128 with a
+causal block mask (0 where every visited tile asks the mask_mod). The skip still ran faster (H100, fp16,
 N = 16384, 16 heads, .bench/fullskip.py; time over the built-in causal's): a causal block mask 1.22x forward
 at headdim 64 and 128 against 2.28x and 1.28x asking mask_mod everywhere, 8 documents 0.42-0.43x against
-0.54-0.71x; backward 1.38-1.53x against 1.31-1.45x, 8 documents 0.37-0.39x against 0.50-0.52x.
+0.54-0.71x; backward 1.38-1.53x against 1.31-1.45x, 8 documents 0.37-0.39x against 0.50-0.52x. Reading the
+partial tiles' verdicts from bits instead of calling mask_mod took that forward's spill stores at headdim 128
+from 124 to 16 bytes with a causal block mask and from 596 to 16 with 8 documents' mask_mod (ptxas 13.0,
+sm_90a, `.bench/c128.py`): its code no longer depends on the mask_mod.
 """
+
+from numba import types
 
 from .intrinsics import device_function
 
 
 def table_entry(BLOCK_M):
-    """``entry(mod, b, h, start, i)``: entry ``i`` of the block-mask table (``mod[0]``) of the block of ``BLOCK_M``
+    """``entry(mod, b, h, start, i)``: entry ``i`` of the block-mask table (``mod[0][0]``) of the block of ``BLOCK_M``
     rows (or keys) from ``start``, for batch element ``b`` and head ``h`` (a table's axis of 1 serves all)."""
     @device_function
     def entry(mod, b, h, start, i):
-        table = mod[0]
+        table = mod[0][0]
         return table[b if table.shape[0] > 1 else 0, h if table.shape[1] > 1 else 0, start // BLOCK_M, i]
 
     return entry
@@ -65,3 +72,35 @@ def key_tiles(mods, BLOCK_M, BLOCK_N):
             return False
 
     return count, start, full
+
+
+def verdict_slot(mods, BLOCK_M):
+    """``slot(mod, b, h, row_start, it)``: the slot of the ``it``-th key tile's verdicts in the block mask's bits
+    (-1 for a full tile, and without a block mask)."""
+    if mods.block_sparse:
+        entry = table_entry(BLOCK_M)
+
+        @device_function
+        def slot(mod, b, h, row_start, it):
+            return entry(mod, b, h, row_start, mod[0][0].shape[3] // 2 + 1 + it)
+    else:
+        @device_function
+        def slot(mod, b, h, row_start, it):
+            return -1
+
+    return slot
+
+
+def verdict_word(mods):
+    """``word(mod, slot, r, w)``: word ``w`` of row ``r`` of the verdicts in ``slot`` (a device function cannot
+    return the bits array itself: numba returns only arrays passed in)."""
+    if mods.block_sparse:
+        @device_function
+        def word(mod, slot, r, w):
+            return mod[0][1][slot, r, w]
+    else:
+        @device_function
+        def word(mod, slot, r, w):
+            return types.uint32(0)
+
+    return word

@@ -1,7 +1,8 @@
 """The score and mask modifications of `numbaflash.mods`, compiled into every kernel family.
 
 Every kernel takes one more argument, ``mod``: a tuple of what the modifications read at run time, in
-this order and only those in use: a block-mask table (`key_tiles`, or a dK/dV pass's `query_tiles`), a varlen call's
+this order and only those in use: a block mask's table and partial tiles' bits (`key_tiles`, or a dK/dV pass's
+`query_tiles`), a varlen call's
 cu_seqlens_q and cu_seqlens_k (`sequences`), the softcap (the accumulator type), the ALiBi slopes
 (float32 ``(1 or batch, nheads)``), then the user's ``mod_args``. A kernel built without any takes an
 empty tuple, and every function here compiles to nothing.
@@ -42,7 +43,9 @@ from .intrinsics import device_function, tanh_approx
 
 def kernel_type(mods, ACC):
     """The numba type of the ``mod`` argument of a kernel accumulating in ``ACC``."""
-    members = [types.Array(types.int32, 4, "A")] if mods.block_sparse else []
+    # A block mask's (table, bits) (`block_sparsity.BlockMask.key_tiles`)
+    members = ([types.Tuple((types.Array(types.int32, 4, "A"), types.Array(types.uint32, 3, "A")))]
+               if mods.block_sparse else [])
     members += [types.Array(types.int32, 1, "A")] * 2 if mods.packed else []
     members += ([ACC] if mods.softcap else []) + ([types.Array(types.float32, 2, "A")] if mods.alibi else [])
     members += [types.Array(from_dtype(np.dtype(dtype)), ndim, "A") for dtype, ndim in mods.arg_types]
@@ -51,7 +54,7 @@ def kernel_type(mods, ACC):
 
 def values(mods, softcap, slopes, mod_args, ACC, cu_seqlens=()):
     """The ``mod`` tuple a launch passes: `kernel_type`'s members (arrays as `_arrays.Operand`s), less the
-    block-mask table, which each launch puts first (it depends on the plan's tiles and the pass). ``cu_seqlens``:
+    block mask's table and bits, which each launch puts first (it depends on the plan's tiles and the pass). ``cu_seqlens``:
     a varlen call's ``(cu_seqlens_q, cu_seqlens_k)``."""
     return (tuple(cu_seqlens) + ((ACC(softcap),) if mods.softcap else ()) + ((slopes,) if mods.alibi else ())
             + tuple(mod_args))

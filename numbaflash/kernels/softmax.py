@@ -11,8 +11,10 @@ whole arrays), after ``start(acc, m_i, l_i)``, which sets a block's output to 0,
 -inf and its sums to 0:
 
 * ``mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale, bh,
-  block_full)``: hidden scores become -inf (only a tile the causal/window edge or the sequence's end
-  crosses pays for it, and, with a mask_mod, a tile the block mask did not find full: ``block_full``).
+  block_full, mod, slot)``: hidden scores become -inf (only a tile the causal/window edge or the sequence's
+  end crosses pays for it, and, with a mask_mod, a tile the block mask did not find full: ``block_full``;
+  where the block mask kept that tile's verdicts, ``bits[slot]`` (`key_tiles.key_bits`), a row reads them
+  as words instead of calling mask_mod per score).
   With softcap, ALiBi or a score_mod (`kernels.mods`) visible scores become their modified natural-log
   scores ``logit(scale * s)`` (without a branch per score on a tile the mask leaves whole), and the steps
   after it take log2(e) as their scale.
@@ -41,6 +43,7 @@ from numba import types
 from .. import masks
 from ..mods import NONE
 from .intrinsics import device_function, ex2, group_max, group_sum
+from . import key_tiles
 from .fragments import fill, lane_row
 from .mods import modifiers
 
@@ -61,6 +64,8 @@ def steps(M, NT, DT, mods=NONE):
     M_ROWS = 2 * M
     MODIFIED, MASKED, _, logit, _, visible, _ = modifiers(mods, types.float32, fast=True)
     USER_SCORES = mods.score_mod is not None
+    BITS = mods.block_sparse  # a block mask keeps the mask_mod's verdicts on partial tiles as bits
+    verdict_word = key_tiles.verdict_word(mods)
 
     @device_function
     def logit_scale(scale):
@@ -77,8 +82,9 @@ def steps(M, NT, DT, mods=NONE):
 
     @device_function
     def mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale, bh,
-             block_full):
+             block_full, mod, slot):
         masked = MASKED and not block_full  # a block mask found mask_mod true on the whole tile: no need to ask
+        from_bits = BITS and masked  # the block mask kept its verdicts on this tile
         if not masked and masks.tile_is_full(row_start, row_end, n_start, n_start + 8 * NT, seqlen_q, seqlen_k, left,
                                              right):
             if not MODIFIED:
@@ -103,10 +109,21 @@ def steps(M, NT, DT, mods=NONE):
                 hi_r = lo_r
             distance = types.float32(row + seqlen_k - seqlen_q - n_start - 2 * t)  # ALiBi's, for the lane's first key
             for j in range(NT):
+                # The row's verdicts on columns 8 j + 2 t + e: bits 8 (j % 4) + e of its word j // 4 shifted by 2 t
+                # (an 8-column chunk never straddles two words; the four j of a word load it once).
+                word = types.uint32(0)
+                if from_bits:
+                    word = verdict_word(mod, slot, row - row_start, j // 4) >> types.uint32(2 * t)
                 for e in range(2):
                     key = n_start + 8 * j + 2 * t + e
                     x = s[mi * NT + j, 2 * half + e]
-                    if key < lo_r or key >= hi_r or (masked and not visible(b, h, row, key, bh)):
+                    hidden = key < lo_r or key >= hi_r
+                    if not hidden and masked:
+                        if BITS:
+                            hidden = (word >> types.uint32(8 * (j % 4) + e)) & types.uint32(1) == 0
+                        else:
+                            hidden = not visible(b, h, row, key, bh)
+                    if hidden:
                         x = NEG_INF
                     elif MODIFIED:
                         x = logit(x * scale, b, h, row, key, abs(distance - types.float32(8 * j + e)), bh)

@@ -18,7 +18,7 @@ from ..blocks import TENSOR_CORE_FORWARD, query_block, write_hidden_rows
 from ..intrinsics import cp_async_commit, cp_async_wait_all, cp_async_wait_one
 from ..fragments import fragment_writer
 from .tiles import lane_offsets, products, row_stride, stager
-from ..key_tiles import key_tiles
+from ..key_tiles import key_tiles, verdict_slot
 from ..sequences import sequences
 from ..mods import kernel_type, modifiers
 from ..softmax import steps
@@ -51,6 +51,7 @@ def build(D, tiles, storage, mods=NONE):
     prepare = modifiers(mods, types.float32, fast=True).prepare
     start, mask, online_softmax, rescale_o, finish, write_lse = steps(M, NT, DT, mods)
     tile_count, tile_start, tile_full = key_tiles(mods, BLOCK_M, BLOCK_N)
+    tile_slot = verdict_slot(mods, BLOCK_M)
     SPARSE = mods.block_sparse
 
     def attention_forward_mma(q, k, v, out, lse, scale_log2, left, right, vec, mod):
@@ -116,7 +117,7 @@ def build(D, tiles, storage, mods=NONE):
             scores(s, frag, smem, q_at, k_base + b_off)
 
             mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale_log2, bh,
-                 tile_full(mod, b, h, row_start, it))
+                 tile_full(mod, b, h, row_start, it), mod, tile_slot(mod, b, h, row_start, it))
             online_softmax(s, m_i, l_i, alpha, scale_log2)
             rescale_o(acc, alpha)
             accumulate(acc, s, frag, smem, v_base + t_off)  # O += P V, P rounded to 16 bits

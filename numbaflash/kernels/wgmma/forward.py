@@ -20,7 +20,7 @@ from ..blocks import TENSOR_CORE_FORWARD, query_block, write_hidden_rows
 from ..intrinsics import (cp_async_commit, device_function, cp_async_wait_all, fence_proxy_async, shared_address, wgmma_commit,
                          wgmma_fence, wgmma_wait0, wgmma_wait1)
 from ..fragments import fragment_writer
-from ..key_tiles import key_tiles
+from ..key_tiles import key_tiles, verdict_slot
 from ..sequences import sequences
 from ..mods import kernel_type, modifiers
 from ..softmax import steps
@@ -54,6 +54,7 @@ def build(D, tiles, storage, mods=NONE):
     prepare = modifiers(mods, types.float32, fast=True).prepare
     start, mask, online_softmax, rescale_o, finish, write_lse = steps(1, NT, DT, mods)
     tile_count, tile_start, tile_full = key_tiles(mods, BLOCK_M, BLOCK_N)
+    tile_slot = verdict_slot(mods, BLOCK_M)
     SPARSE = mods.block_sparse
     write_out = fragment_writer(D, storage)
 
@@ -76,10 +77,10 @@ def build(D, tiles, storage, mods=NONE):
 
     @device_function
     def softmax_tile(s, acc, p, m_i, l_i, alpha, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k,
-                     left, right, scale_log2, bh, block_full):
+                     left, right, scale_log2, bh, block_full, mod, slot):
         # mask -> online softmax (while the previous P V may still run) -> rescale O -> P for the next P V
         mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale_log2, bh,
-             block_full)
+             block_full, mod, slot)
         online_softmax(s, m_i, l_i, alpha, scale_log2)
         wgmma_wait0()  # O and P are no longer read by the tensor cores
         rescale_o(acc, alpha)
@@ -138,7 +139,8 @@ def build(D, tiles, storage, mods=NONE):
         wgmma_commit()
         wgmma_wait0()
         softmax_tile(s, acc, p, m_i, l_i, alpha, b, h, warp_row, g, t, n_first, row_start, row_end, seqlen_q, seqlen_k,
-                     left, right, scale_log2, bh, tile_full(mod, b, h, row_start, 0))
+                     left, right, scale_log2, bh, tile_full(mod, b, h, row_start, 0),
+                     mod, tile_slot(mod, b, h, row_start, 0))
 
         # Steady state, with no branch around a wgmma (a branch makes the compiler copy accumulators that
         # are in flight, and ptxas then serializes every wgmma: warning C7514).
@@ -153,7 +155,8 @@ def build(D, tiles, storage, mods=NONE):
             wgmma_commit()
             wgmma_wait1()  # S_it is done; P_{it-1} V_{it-1} may still run under the softmax below
             softmax_tile(s, acc, p, m_i, l_i, alpha, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q,
-                         seqlen_k, left, right, scale_log2, bh, tile_full(mod, b, h, row_start, it))
+                         seqlen_k, left, right, scale_log2, bh, tile_full(mod, b, h, row_start, it),
+                         mod, tile_slot(mod, b, h, row_start, it))
 
         # The last tile's P V.
         sync_tiles()

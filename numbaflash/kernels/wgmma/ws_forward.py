@@ -40,7 +40,7 @@ from ..intrinsics import (cp_async_mbarrier_arrive, cp_async_wait_all, device_fu
                          named_barrier_sync, setmaxnreg_dec, setmaxnreg_inc, shared_address, tensormap_acquire,
                          wgmma_commit, wgmma_fence, wgmma_wait0, wgmma_wait1)
 from ..fragments import fragment_writer
-from ..key_tiles import key_tiles
+from ..key_tiles import key_tiles, verdict_slot
 from ..mods import kernel_type, modifiers
 from ..softmax import steps
 from . import tensor_maps
@@ -89,6 +89,7 @@ def build(D, tiles, storage, mods=NONE):
     prepare = modifiers(mods, types.float32, fast=True).prepare
     start, mask, online_softmax, rescale_o, finish, write_lse = steps(1, NT, DT, mods)
     tile_count, tile_start, tile_full = key_tiles(mods, BLOCK_M, BLOCK_N)
+    tile_slot = verdict_slot(mods, BLOCK_M)
     SPARSE = mods.block_sparse
     write_out = fragment_writer(D, storage)
     release_registers, take_registers = (setmaxnreg_dec(REGISTERS[CONSUMERS][0]),
@@ -168,9 +169,9 @@ def build(D, tiles, storage, mods=NONE):
 
     @device_function
     def softmax_scores(s, m_i, l_i, alpha, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k,
-                       left, right, scale_log2, bh, block_full):
+                       left, right, scale_log2, bh, block_full, mod, slot):
         mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale_log2, bh,
-             block_full)
+             block_full, mod, slot)
         online_softmax(s, m_i, l_i, alpha, scale_log2)
 
     def attention_forward_wgmma_ws(q, k, v, out, lse, scale_log2, left, right, vec, maps, mod):
@@ -234,7 +235,8 @@ def build(D, tiles, storage, mods=NONE):
             wgmma_wait0()
             release(smem, base + K_EMPTY, ctid)
             softmax_scores(s, m_i, l_i, alpha, b, h, warp_row, g, t, tile_start(mod, b, h, row_start, n_base, 0), row_start,
-                           row_end, seqlen_q, seqlen_k, left, right, scale_log2, bh, tile_full(mod, b, h, row_start, 0))
+                           row_end, seqlen_q, seqlen_k, left, right, scale_log2, bh, tile_full(mod, b, h, row_start, 0),
+                           mod, tile_slot(mod, b, h, row_start, 0))
             rescale_o(acc, alpha)
             pack(p, s)
 
@@ -253,7 +255,8 @@ def build(D, tiles, storage, mods=NONE):
                 wgmma_wait1()  # S_it is done; P_{it-1} V_{it-1} may still run under the softmax below
                 release(smem, base + K_EMPTY + (it % STAGES) * BARRIER_ELEMENTS, ctid)
                 softmax_scores(s, m_i, l_i, alpha, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q,
-                               seqlen_k, left, right, scale_log2, bh, tile_full(mod, b, h, row_start, it))
+                               seqlen_k, left, right, scale_log2, bh, tile_full(mod, b, h, row_start, it),
+                               mod, tile_slot(mod, b, h, row_start, it))
                 wgmma_wait0()  # O and P are no longer read by the tensor cores
                 release(smem, base + V_EMPTY + ((it - 1) % STAGES) * BARRIER_ELEMENTS, ctid)
                 rescale_o(acc, alpha)
