@@ -115,7 +115,7 @@ class BlockMask:
         ``table``: int32 ``(batch or 1, nheads or 1, query tiles, 2 (key tiles + 1))``; entry 0 of a query tile
         counts the key tiles it visits (`visited`), entries 1.. are ``2 * key tile + (1 if FULL)``, ascending,
         and entry ``key tiles + 2 + i`` is the ``i``-th visited tile's slot in ``bits`` (-1 for a full one).
-        ``bits``: uint32 ``(partial tiles or 1, block_m, words)``, ``words = cdiv(block_n, 32)``: bit ``c % 32``
+        ``bits``: int32 ``(partial tiles or 1, block_m, words)``, ``words = cdiv(block_n, 32)``: bit ``c % 32``
         of word ``c // 32`` of row ``r`` of a slot is mask_mod's verdict on its tile's row ``r``, key ``c``,
         where the call's causal/window mask shows it inside the sequences (0 elsewhere)."""
         key = (block_m, block_n, left, right, like.kind, like.device)
@@ -141,8 +141,9 @@ class BlockMask:
         return self._tables[key]
 
     def partial_bits(self, tiles, block_m, block_n, left, right):
-        """uint32 ``(len(tiles) or 1, block_m, cdiv(block_n, 32))``: the mask_mod's verdicts on each of ``tiles``
-        (rows of ``(b, h, query tile, key tile)``), as `key_tiles` lays them out."""
+        """int32 ``(len(tiles) or 1, block_m, cdiv(block_n, 32))``: the mask_mod's verdicts on each of ``tiles``
+        (rows of ``(b, h, query tile, key tile)``), as `key_tiles` lays them out (32-bit words as int32:
+        torch moves no uint32 tensor to a GPU)."""
         lo, hi = np.array([masks.key_range(i, self.seqlen_q, self.seqlen_k, left, right)
                            for i in range(self.seqlen_q)], dtype=np.int64).T.copy()
         bits = np.zeros((max(1, len(tiles)), block_m, -(-block_n // 32)), np.uint32)
@@ -150,7 +151,7 @@ class BlockMask:
         with _PARALLEL_LOCK if parallel else contextlib.nullcontext():
             args = tuple(np.asarray(a) for a in self.mod_args)
             _bits_loop(self.mask_mod, parallel)(bits, tiles, block_m, block_n, lo, hi, args)
-        return bits
+        return bits.view(np.int32)
 
     def query_tiles(self, block_m, block_n, left, right, group, like):
         """A dK/dV pass's schedule (`kernels.query_tiles`) for blocks of ``block_m`` keys streaming tiles of
@@ -176,7 +177,7 @@ class BlockMask:
                 table[b, hk, kt, 0] = len(visits)
                 table[b, hk, kt, 1:1 + len(visits)] = visits
             # The kernels' ``mod[0]`` has `key_tiles`' type; a dK/dV pass asks mask_mod on its partial tiles.
-            self._tables[key] = (_arrays.from_host(like, table), _arrays.from_host(like, np.zeros((1, 1, 1), np.uint32)))
+            self._tables[key] = (_arrays.from_host(like, table), _arrays.from_host(like, np.zeros((1, 1, 1), np.int32)))
         return self._tables[key]
 
     def visible_scores(self, left, right, batch, nheads):

@@ -307,7 +307,7 @@ def test_the_bits_of_partial_tiles_are_the_mask_where_the_window_shows_it(left, 
                 slots += 1
                 r0, c0 = qt * rows, kt * cols
                 tile = want[r0:r0 + rows, c0:c0 + cols]
-                got = (bits[slot][:, :, None] >> np.arange(32, dtype=np.uint32)) & 1  # (rows, words, 32)
+                got = (bits[slot].view(np.uint32)[:, :, None] >> np.arange(32, dtype=np.uint32)) & 1  # (rows, words, 32)
                 got = got.reshape(rows, -1)[:tile.shape[0], :tile.shape[1]].astype(bool)
                 assert np.array_equal(got, tile), (qt, kt)
     assert slots == len(bits) > 0

@@ -101,6 +101,6 @@ def verdict_word(mods):
     else:
         @device_function
         def word(mod, slot, r, w):
-            return types.uint32(0)
+            return types.int32(0)
 
     return word
