@@ -23,7 +23,7 @@ N = 16384, 16 heads, .bench/fullskip.py; time over the built-in causal's): a cau
 at headdim 64 and 128 against 2.28x and 1.28x asking mask_mod everywhere, 8 documents 0.42-0.43x against
 0.54-0.71x; backward 1.38-1.53x against 1.31-1.45x, 8 documents 0.37-0.39x against 0.50-0.52x. Reading the
 partial tiles' verdicts from bits instead of calling mask_mod took that forward's spill stores at headdim 128
-from 124 to 16 bytes with a causal block mask and from 596 to 16 with 8 documents' mask_mod (ptxas 13.0,
+from 124 to 8 bytes with a causal block mask and from 596 to 8 with 8 documents' mask_mod (ptxas 13.0,
 sm_90a, `.bench/c128.py`): its code no longer depends on the mask_mod.
 """
 
