@@ -75,15 +75,21 @@ class BlockMask:
         """Scores the mask_mod shows per ``rows`` x ``cols`` tile, among those the window ``(left, right)`` shows:
         int32 ``(batch or 1, nheads or 1, cdiv(seqlen_q, rows), cdiv(seqlen_k, cols))``, counted as the mask is
         evaluated (memory for the counts alone: a boolean array of every score took 9 bytes a score)."""
-        lo, hi = np.array([masks.key_range(i, self.seqlen_q, self.seqlen_k, left, right)
-                           for i in range(self.seqlen_q)], dtype=np.int64).T.copy()
         counts = np.zeros((self.batch or 1, self.nheads or 1, -(-self.seqlen_q // rows), -(-self.seqlen_k // cols)),
                           np.int32)
-        parallel = counts.size * rows * cols >= PARALLEL_SCORES
+        self._evaluate(_counting_loop, counts.size * rows * cols, counts, rows, cols, left, right)
+        return counts
+
+    def _evaluate(self, loop_of, scores, out, rows, cols, left, right):
+        """Run ``loop_of(mask_mod, parallel)(out, ..., rows, cols, lo, hi, mod_args)`` (``out`` a tuple of its leading
+        arguments, or one array) over the rows' key ranges ``[lo, hi)`` in the window ``(left, right)``, on every
+        core when it evaluates at least `PARALLEL_SCORES` ``scores``."""
+        lo, hi = np.array([masks.key_range(i, self.seqlen_q, self.seqlen_k, left, right)
+                           for i in range(self.seqlen_q)], dtype=np.int64).T.copy()
+        parallel = scores >= PARALLEL_SCORES
         with _PARALLEL_LOCK if parallel else contextlib.nullcontext():
             args = tuple(np.asarray(a) for a in self.mod_args)
-            _counting_loop(self.mask_mod, parallel)(counts, rows, cols, lo, hi, args)
-        return counts
+            loop_of(self.mask_mod, parallel)(*(out if isinstance(out, tuple) else (out,)), rows, cols, lo, hi, args)
 
     def _fine_counts(self):
         """Visible scores per FINE x FINE tile, counted once."""
@@ -125,32 +131,24 @@ class BlockMask:
             # One spare entry past the last tile: kernels read the next tile's start before they test the count.
             table = np.zeros(classes.shape[:3] + (2 * (ktiles + 1),), np.int32)
             partial = []  # (b, h, query tile, key tile) of each slot, in slot order
-            slots = 0
             for b, h, qt in np.ndindex(*classes.shape[:3]):
                 tiles = np.flatnonzero(visited[b, h, qt])
                 table[b, h, qt, 0] = len(tiles)
                 table[b, h, qt, 1:1 + len(tiles)] = 2 * tiles + (classes[b, h, qt, tiles] == FULL)
                 is_partial = classes[b, h, qt, tiles] == PARTIAL
-                count = int(is_partial.sum())
                 table[b, h, qt, ktiles + 2:ktiles + 2 + len(tiles)] = np.where(
-                    is_partial, slots + np.cumsum(is_partial) - 1, -1)
+                    is_partial, len(partial) + np.cumsum(is_partial) - 1, -1)
                 partial += [(b, h, qt, tile) for tile in tiles[is_partial]]
-                slots += count
-            bits = self.partial_bits(np.array(partial, np.int64).reshape(-1, 4), block_m, block_n, left, right)
+            bits = self._partial_bits(np.array(partial, np.int64).reshape(-1, 4), block_m, block_n, left, right)
             self._tables[key] = (_arrays.from_host(like, table), _arrays.from_host(like, bits))
         return self._tables[key]
 
-    def partial_bits(self, tiles, block_m, block_n, left, right):
+    def _partial_bits(self, tiles, block_m, block_n, left, right):
         """int32 ``(len(tiles) or 1, block_m, cdiv(block_n, 32))``: the mask_mod's verdicts on each of ``tiles``
         (rows of ``(b, h, query tile, key tile)``), as `key_tiles` lays them out (32-bit words as int32:
         torch moves no uint32 tensor to a GPU)."""
-        lo, hi = np.array([masks.key_range(i, self.seqlen_q, self.seqlen_k, left, right)
-                           for i in range(self.seqlen_q)], dtype=np.int64).T.copy()
         bits = np.zeros((max(1, len(tiles)), block_m, -(-block_n // 32)), np.uint32)
-        parallel = len(tiles) * block_m * block_n >= PARALLEL_SCORES
-        with _PARALLEL_LOCK if parallel else contextlib.nullcontext():
-            args = tuple(np.asarray(a) for a in self.mod_args)
-            _bits_loop(self.mask_mod, parallel)(bits, tiles, block_m, block_n, lo, hi, args)
+        self._evaluate(_bits_loop, len(tiles) * block_m * block_n, (bits, tiles), block_m, block_n, left, right)
         return bits.view(np.int32)
 
     def query_tiles(self, block_m, block_n, left, right, group, like):
@@ -177,7 +175,8 @@ class BlockMask:
                 table[b, hk, kt, 0] = len(visits)
                 table[b, hk, kt, 1:1 + len(visits)] = visits
             # The kernels' ``mod[0]`` has `key_tiles`' type; a dK/dV pass asks mask_mod on its partial tiles.
-            self._tables[key] = (_arrays.from_host(like, table), _arrays.from_host(like, np.zeros((1, 1, 1), np.int32)))
+            self._tables[key] = (_arrays.from_host(like, table),
+                                 _arrays.from_host(like, np.zeros((1, 1, 1), np.int32)))
         return self._tables[key]
 
     def visible_scores(self, left, right, batch, nheads):

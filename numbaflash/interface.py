@@ -561,9 +561,8 @@ def _modifications_line(modified):
         return "none (no softcap, ALiBi, score_mod or mask_mod)"
     how = ["scores modified in natural-log units" if modified.scores_modified else "scores keep the plain scale"]
     if modified.mask_mod is not None:
-        how.append("mask_mod on every tile " + ("the block mask does not find full (a tensor-core forward reads "
-                                               "the verdicts the block mask keeps as bits there)" if modified.block_sparse
-                                               else "the causal/window mask shows"))
+        how.append("mask_mod's verdicts on every tile " + ("the block mask does not find full" if modified.block_sparse
+                                                           else "the causal/window mask shows"))
     return (f"{modified.describe()}, compiled into the kernels: {'; '.join(how)} (the traffic below leaves out "
             "the slopes and mod_args they read, which the caches serve)")
 

@@ -261,9 +261,9 @@ def test_a_compile_error_names_the_function_and_its_line():
 def test_a_block_mask_gives_the_dense_mask_mod_result(arrays, mode):
     """Documents of a packed sequence, causal inside each: the forward with the block mask visits only the
     non-empty tiles, skips mask_mod on full ones and reads its verdicts on partial ones from the block mask's
-    bits, and gives the dense mask_mod call's result in every
-    forward family: bit for bit on the simulator; on a GPU to an ulp, as the dense call's visits to empty
-    tiles rescale its sums by ex2 of a product's rounding error (the FMA keeps it: 1 - 2^-24, not 1)."""
+    bits, and gives the dense mask_mod call's result in every forward family: bit for bit on the simulator; on
+    a GPU to an ulp, as the dense call's visits to empty tiles rescale its sums by ex2 of a product's rounding
+    error (the FMA keeps it: 1 - 2^-24, not 1)."""
     to_device, to_host = arrays
     seqlen = 40 if mode == "simulator" else 2048
     doc = np.repeat(np.arange(4), [6, 20, 3, seqlen - 29]).astype(np.int32)[None]  # (1, seqlen)

@@ -1,11 +1,10 @@
 """The score and mask modifications of `numbaflash.mods`, compiled into every kernel family.
 
 Every kernel takes one more argument, ``mod``: a tuple of what the modifications read at run time, in
-this order and only those in use: a block mask's table and partial tiles' bits (`key_tiles`, or a dK/dV pass's
-`query_tiles`), a varlen call's
-cu_seqlens_q and cu_seqlens_k (`sequences`), the softcap (the accumulator type), the ALiBi slopes
-(float32 ``(1 or batch, nheads)``), then the user's ``mod_args``. A kernel built without any takes an
-empty tuple, and every function here compiles to nothing.
+this order and only those in use: a block mask's table and partial tiles' bits (`key_tiles`, or a dK/dV
+pass's `query_tiles`), a varlen call's cu_seqlens_q and cu_seqlens_k (`sequences`), the softcap (the
+accumulator type), the ALiBi slopes (float32 ``(1 or batch, nheads)``), then the user's ``mod_args``. A
+kernel built without any takes an empty tuple, and every function here compiles to nothing.
 
 With softcap, ALiBi or a score_mod the kernels work on natural-log scores: ``x = softmax_scale * q . k`` (the kernel's
 scale argument is then ``softmax_scale`` itself, not ``softmax_scale * log2(e)``), ``logit`` modifies it,
@@ -54,8 +53,8 @@ def kernel_type(mods, ACC):
 
 def values(mods, softcap, slopes, mod_args, ACC, cu_seqlens=()):
     """The ``mod`` tuple a launch passes: `kernel_type`'s members (arrays as `_arrays.Operand`s), less the
-    block mask's table and bits, which each launch puts first (it depends on the plan's tiles and the pass). ``cu_seqlens``:
-    a varlen call's ``(cu_seqlens_q, cu_seqlens_k)``."""
+    block mask's table and bits, which each launch puts first (they depend on the plan's tiles and the pass).
+    ``cu_seqlens``: a varlen call's ``(cu_seqlens_q, cu_seqlens_k)``."""
     return (tuple(cu_seqlens) + ((ACC(softcap),) if mods.softcap else ()) + ((slopes,) if mods.alibi else ())
             + tuple(mod_args))
 
@@ -91,9 +90,9 @@ def modifiers(mods, ACC, fast=False):
     sizes. Where tanh saturates (|score| several times the cap) the naive attention's rounding of the score
     is damped by 1 - tanh^2 and tanh.approx's error is not: an emulation erring by 2^-11 on every score fails
     the LSE rule on the tests' softcap 1.5 (5x naive's error), so the rule rests on the hardware erring less
-    there than its documented bound (the simulator's emulation is exact). On the special-function unit, which also runs the softmax's ex2 and is
-    what bounds a headdim-64 kernel, it is one instruction per score where ``1 - 2 / (e^(2y) + 1)`` took
-    two (ex2 and rcp)."""
+    there than its documented bound (the simulator's emulation is exact). On the special-function unit,
+    which also runs the softmax's ex2 and is what bounds a headdim-64 kernel, it is one instruction per score
+    where ``1 - 2 / (e^(2y) + 1)`` took two (ex2 and rcp)."""
     ONE, LN2, LOG2E = ACC(1), ACC(math.log(2.0)), ACC(math.log2(math.e))
     MODIFIED, MASKED = mods.scores_modified, mods.mask_mod is not None
     CAP_AT = int(mods.block_sparse) + 2 * int(mods.packed)  # in the kernel's mod tuple

@@ -14,8 +14,9 @@ that see its keys:
   kernel skips mask_mod there); False without a block mask.
 
 With a block mask (``mods.block_sparse``) ``mod[0]`` is `numbaflash.block_sparsity.BlockMask.query_tiles`'s
-(table, unused bits), the table made for these tiles, the call's causal/window mask and GQA group: entry 0 of a key block is its
-count, entries 1.. are ``2 * (j * query tiles + query tile) + full`` for the group's ``j``-th head.
+(table, unused bits), the table made for these tiles, the call's causal/window mask and GQA group: entry 0
+of a key block is its count, entries 1.. are ``2 * (j * query tiles + query tile) + full`` for the group's
+``j``-th head.
 """
 
 from .intrinsics import device_function

@@ -13,8 +13,8 @@ whole arrays), after ``start(acc, m_i, l_i)``, which sets a block's output to 0,
 * ``mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale, bh,
   block_full, mod, slot)``: hidden scores become -inf (only a tile the causal/window edge or the sequence's
   end crosses pays for it, and, with a mask_mod, a tile the block mask did not find full: ``block_full``;
-  where the block mask kept that tile's verdicts, ``bits[slot]`` (`key_tiles.key_bits`), a row reads them
-  as words instead of calling mask_mod per score).
+  with a block mask, a row reads its verdicts on such a tile from the mask's bits a word at a time, ``slot``
+  from `key_tiles.verdict_slot`, instead of calling mask_mod per score).
   With softcap, ALiBi or a score_mod (`kernels.mods`) visible scores become their modified natural-log
   scores ``logit(scale * s)`` (without a branch per score on a tile the mask leaves whole), and the steps
   after it take log2(e) as their scale.
@@ -110,7 +110,7 @@ def steps(M, NT, DT, mods=NONE):
             distance = types.float32(row + seqlen_k - seqlen_q - n_start - 2 * t)  # ALiBi's, for the lane's first key
             for j in range(NT):
                 # The row's verdicts on columns 8 j + 2 t + e: bits 8 (j % 4) + e of its word j // 4 shifted by 2 t
-                # (an 8-column chunk never straddles two words; the four j of a word load it once).
+                # (an 8-column chunk never straddles two words).
                 word = types.int32(0)
                 if from_bits:  # (int32 words: a right shift copies the sign bit, which no test below reads)
                     word = verdict_word(mod, slot, row - row_start, j // 4) >> types.int32(2 * t)
