@@ -14,9 +14,11 @@ plain ones (rows are query rows, columns keys). The steps, after the score produ
   column ``c`` at ``stats[delta_at + c]``.
 * `row_steps` -> ``(rows, ds)``: ``rows(lse2, dsum, lo_r, hi_r, lse, delta, ...)`` loads a warp's rows'
   base-2 LSE, D (or both from a staged preprocess's ``stats`` in place of ``delta``) and visible key range
-  into registers once; ``ds(s, dp, lse2, dsum, lo_r, hi_r, full, ...,
-  block_full)`` turns S and dP of a row tile into dS in ``dp`` (``full``: the causal/window mask shows the
-  whole tile; ``block_full``: so does the mask_mod).
+  into registers once; ``ds(s, dp, lse2, dsum, lo_r, hi_r, full, ..., block_full, mod, slot, row_start, c0)``
+  turns S and dP of a row tile into dS in ``dp`` (``full``: the causal/window mask shows the whole tile;
+  ``block_full``: so does the mask_mod; otherwise, with a block mask, the rows read its verdicts on the
+  tile from its bits at ``slot`` (`key_tiles.verdict_slot`), columns from ``c0`` of the tile, as the forward's
+  `softmax` mask does, and mask_mod is not called).
 * `stats_stager` -> ``(load, store, per_thread)``: a query tile's LSE and D, loaded to registers early
   (their latency hides behind the tile's products) and stored to shared memory after.
 
@@ -28,6 +30,7 @@ from numba import types
 
 from .. import masks
 from ..mods import NONE
+from . import key_tiles
 from .fragments import lane_row
 from .intrinsics import device_function, ex2
 from .mods import modifiers
@@ -186,13 +189,13 @@ def row_steps(M, NT, mods=NONE, staged=False):
 
     @device_function
     def ds(s, dp, lse2, dsum, lo_r, hi_r, full, warp_row, n_start, g, t, seqlen_q, seqlen_k, scale_log2, b, h, bh,
-           block_full):
+           block_full, mod, slot, row_start, c0):
         if untested(full, block_full, warp_row + 16 * M, seqlen_q):
             unchecked(s, dp, lse2, dsum, lo_r, hi_r, warp_row, n_start, g, t, seqlen_q, seqlen_k, scale_log2, b, h, bh,
-                      block_full)
+                      block_full, mod, slot, row_start, c0)
         else:
             checked(s, dp, lse2, dsum, lo_r, hi_r, warp_row, n_start, g, t, seqlen_q, seqlen_k, scale_log2, b, h, bh,
-                    block_full)
+                    block_full, mod, slot, row_start, c0)
 
     return rows, ds
 
@@ -204,21 +207,30 @@ def _row_ds(M, NT, mods, TESTED):
     modifier = modifiers(mods, types.float32, fast=True)
     logit2, visible = modifier.logit2, modifier.visible
     GUARDED = guarded(mods)
+    BITS = TESTED and mods.block_sparse  # the block mask's verdicts on partial tiles, in place of visible()
+    verdict_word = key_tiles.verdict_word(mods)
 
     @device_function
     def loop(s, dp, lse2, dsum, lo_r, hi_r, warp_row, n_start, g, t, seqlen_q, seqlen_k, scale_log2, b, h, bh,
-             block_full):
+             block_full, mod, slot, row_start, c0):
         for r in range(M_ROWS):
             mi, half = r // 2, r % 2
             row = warp_row + lane_row(r, g)
             distance = types.float32(row + seqlen_k - seqlen_q - n_start - 2 * t)  # ALiBi's, first key
             for j in range(NT):
+                # The row's verdicts on tile columns c0 + 8 j + 2 t + e: bits (c0 + 8 j) % 32 + e of its word
+                # (c0 + 8 j) // 32 shifted by 2 t (`softmax.steps`' mask reads them alike).
+                word = types.int32(0)
+                if BITS and not block_full:
+                    word = verdict_word(mod, slot, row - row_start, (c0 + 8 * j) // 32) >> types.int32(2 * t)
                 for e in range(2):
                     key = n_start + 8 * j + 2 * t + e
                     x = mi * NT + j
                     d = ZERO
                     if not TESTED or ((key >= lo_r[r] and key < hi_r[r]) and (not GUARDED or (
-                            row < seqlen_q and (block_full or visible(b, h, row, key, bh))))):
+                            row < seqlen_q and (block_full or (
+                                (word >> types.int32((c0 + 8 * j) % 32 + e)) & types.int32(1) != 0 if BITS else
+                                visible(b, h, row, key, bh)))))):
                         x2, grad = logit2(s[x, 2 * half + e] * scale_log2, b, h, row, key,
                                           abs(distance - types.float32(8 * j + e)), bh)
                         d = ex2(x2 - lse2[r]) * (dp[x, 2 * half + e] - dsum[r]) * grad

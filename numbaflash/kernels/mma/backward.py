@@ -29,7 +29,7 @@ from ..blocks import key_block, query_block, tensor_core_backward
 from ..gradients import row_steps, stats_stager, transposed_steps
 from ..intrinsics import cp_async_commit, cp_async_wait_all, cp_async_wait_one
 from ..fragments import fill, fragment_writer
-from ..key_tiles import key_tiles
+from ..key_tiles import key_tiles, verdict_slot
 from ..mods import modifiers
 from ..query_tiles import query_tiles
 from ..sequences import sequences
@@ -198,6 +198,7 @@ def build_dq(D, tiles, storage, mods=NONE):
     prepare, natural = modifier.prepare, modifier.natural
     rows, ds = row_steps(M, NT, mods)
     tile_count, tile_start, tile_full = key_tiles(mods, BLOCK_M, BLOCK_N)
+    tile_slot = verdict_slot(mods, BLOCK_M)
     ZERO = types.float32(0)
 
     def attention_backward_dq_mma(q, k, v, dout, lse, delta, dq, scale_log2, left, right, vec, mod):
@@ -246,6 +247,7 @@ def build_dq(D, tiles, storage, mods=NONE):
             for it in range(ntiles):
                 n_start = n_next
                 block_full = tile_full(mod, b, h, row_start, it)
+                slot = tile_slot(mod, b, h, row_start, it)
                 at = (it % 2) * BLOCK_N * LD
                 if it + 1 < ntiles:
                     # The other stage was last read in the previous iteration, which ended with a barrier.
@@ -266,7 +268,7 @@ def build_dq(D, tiles, storage, mods=NONE):
                         full = masks.tile_is_full(row_start, row_end, c_start, c_start + CHUNK, seqlen_q, seqlen_k,
                                                   left, right)
                         ds(s, dp, lse2, dsum, lo_r, hi_r, full, warp_row, c_start, g, t, seqlen_q, seqlen_k,
-                           scale_log2, b, h, bh, block_full)
+                           scale_log2, b, h, bh, block_full, mod, slot, row_start, c0)
                         accumulate(dq_acc, dp, frag, smem, K_AT + at + c0 * LD + t_off)  # dQ += dS K
                 cuda.syncthreads()  # this stage is free for the copies issued at the top of the next iteration
 

@@ -28,7 +28,7 @@ from ..fragments import fill, fragment_writer
 from ..gradients import row_steps, stats_stager, transposed_steps
 from ..intrinsics import (cp_async_commit, cp_async_wait_all, cp_async_wait_one, device_function, fence_proxy_async,
                          shared_address, wgmma_commit, wgmma_fence, wgmma_wait0, wgmma_wait1)
-from ..key_tiles import key_tiles
+from ..key_tiles import key_tiles, verdict_slot
 from ..mods import modifiers
 from ..query_tiles import query_tiles
 from .tiles import ALIGN, ATOM, advance, aligned_base, operand, pack_p, products, stager
@@ -129,7 +129,7 @@ def dq_step(D, tiles, storage, mods=NONE):
 
     @device_function
     def step(smem, descs, at, s, dp, d_s, dq_acc, lse2, dsum, lo_r, hi_r, row_start, row_end, warp_row, n_start, g, t,
-             seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh, block_full):
+             seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh, block_full, mod, slot):
         q_desc, do_desc, k_desc, v_desc, k_mn = descs
         wgmma_fence()
         scores(s, smem, q_desc, advance(k_desc, at))  # S = Q K^T
@@ -139,7 +139,7 @@ def dq_step(D, tiles, storage, mods=NONE):
         wgmma_wait0()
         full = masks.tile_is_full(row_start, row_end, n_start, n_start + BLOCK_N, seqlen_q, seqlen_k, left, right)
         ds(s, dp, lse2, dsum, lo_r, hi_r, full, warp_row, n_start, g, t, seqlen_q, seqlen_k, scale_log2, b, h, bh,
-           block_full)
+           block_full, mod, slot, row_start, 0)
         pack(d_s, dp)
         wgmma_fence()
         accumulate(dq_acc, d_s, smem, advance(k_mn, at))  # dQ += dS K
@@ -251,6 +251,7 @@ def build_dq(D, tiles, storage, mods=NONE):
     operands, step = dq_step(D, tiles, storage, mods)
     rows, _ = row_steps(1, NT, mods)
     tile_count, tile_start, tile_full = key_tiles(mods, BLOCK_M, BLOCK_N)
+    tile_slot = verdict_slot(mods, BLOCK_M)
     modifier = modifiers(mods, types.float32, fast=True)
     prepare, natural = modifier.prepare, modifier.natural
     write_grad = fragment_writer(D, storage)
@@ -308,7 +309,7 @@ def build_dq(D, tiles, storage, mods=NONE):
 
                 step(smem, descs, 2 * at, s, dp, d_s, dq_acc, lse2, dsum, lo_r, hi_r, row_start, row_end, warp_row,
                      n_start, g, t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh,
-                     tile_full(mod, b, h, row_start, it))
+                     tile_full(mod, b, h, row_start, it), mod, tile_slot(mod, b, h, row_start, it))
                 cuda.syncthreads()  # this stage is free for the copies issued at the top of the next iteration
 
         # dQ = scale dS K with scale = scale_log2 ln(2) (the scale argument with modifications); the rows past

@@ -37,7 +37,7 @@ from ..gradients import row_steps
 from ..intrinsics import (bulk_load, device_function, fence_proxy_async, mbarrier_arrive_expect_tx,
                          mbarrier_init, named_barrier_sync, red_add2, setmaxnreg_dec, setmaxnreg_inc, shared_address,
                          tensormap_acquire, wgmma_commit, wgmma_fence, wgmma_ss, wgmma_wait0)
-from ..key_tiles import key_tiles
+from ..key_tiles import key_tiles, verdict_slot
 from ..mods import modifiers
 from ..query_tiles import query_tiles
 from . import tensor_maps
@@ -312,6 +312,7 @@ def build_dq(D, tiles, storage, mods=NONE):
     operands, step = dq_step(D, tiles, storage, mods)
     rows, _ = row_steps(1, NT, mods, staged=True)
     tile_count, tile_start, tile_full = key_tiles(mods, BLOCK_M, BLOCK_N)
+    tile_slot = verdict_slot(mods, BLOCK_M)
     modifier = modifiers(mods, types.float32, fast=True)
     prepare, natural = modifier.prepare, modifier.natural
     write_grad = fragment_writer(D, storage)
@@ -386,7 +387,8 @@ def build_dq(D, tiles, storage, mods=NONE):
                 at = 2 * stage * TILE  # bytes into the rings
                 wait(smem, base + FULL + stage * BARRIER_ELEMENTS, (it // STAGES) & 1)
                 step(smem, descs, at, s, dp, d_s, dq_acc, lse2, dsum, lo_r, hi_r, row_start, row_end, warp_row, n_start,
-                     g, t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh, tile_full(mod, b, h, row_start, it))
+                     g, t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh, tile_full(mod, b, h, row_start, it),
+                     mod, tile_slot(mod, b, h, row_start, it))
                 release(smem, base + EMPTY + stage * BARRIER_ELEMENTS, ctid)
 
         # dQ = scale dS K with scale = scale_log2 ln(2) (the scale argument with modifications); the rows past
