@@ -64,7 +64,11 @@ def dkdv_step(D, tiles, storage, mods=NONE):
     dP^T runs, dV += P^T dO, dS^T while that runs, dK += dS^T Q. It returns with every product done, and
     dS^T, rounded, in ``d_s``."""
     BLOCK_M, BLOCK_N = tiles.block_m, tiles.block_n
-    scores, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage)
+    # S^T and dP^T overwritten without their last tile's values as inputs: kept as inputs (a loop phi), once
+    # v5's consumers released their stage on a barrier instead of an arrival, LLVM copied one of them between
+    # two wgmma, ptxas waited for the products there (C7517) and at headdim 128 spilled 888 bytes (ptxas
+    # 13.0). The v5 forward at headdim 64 spills 80 bytes with fresh scores, so only this step takes them.
+    scores, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage, fresh=True)
     pack = pack_p(BLOCK_N, storage)
     # Modified scores at headdim 128 wait for dP^T too and form dS^T with P^T, keeping no dlogit: its 32
     # registers beside dK's and dV's 128 spilled 128-136 bytes (softcap, softcap with ALiBi; ptxas 13.0). At 64

@@ -98,21 +98,24 @@ def stager(D, ROWS, THREADS):
     return stage
 
 
-def products(N, D, A_ROWS, B_ROWS, storage):
+def products(N, D, A_ROWS, B_ROWS, storage, fresh=False):
     """``(scores, accumulate)`` for a warpgroup: ``scores`` multiplies its 64 rows of an ``A_ROWS``-row
     tile by the ``N`` rows of a ``B_ROWS``-row tile (both of head dim D); ``accumulate`` adds ``P B`` for P
     (64 x N, in registers) and the N x D tile B. Descriptors point at the first row (of the warpgroup's
-    rows, for A) of the tile's first atom."""
+    rows, for A) of the tile's first atom. ``fresh``: the scores' old values are no input of their first
+    k-step (`wgmma_ss`), so a loop does not carry them from one tile to the next."""
     KS, PS = D // 16, N // 16
-    ss, rs = wgmma_ss(N, storage), wgmma_rs(D, storage)
+    first, ss, rs = wgmma_ss(N, storage, fresh=fresh), wgmma_ss(N, storage), wgmma_rs(D, storage)
     ATOM_A, ATOM_B, K_STEP = A_ROWS * ATOM * 2, B_ROWS * ATOM * 2, 32  # bytes
 
     @device_function
     def scores(s, smem, a_desc, b_desc):
-        # s: (N / 8, 4) fragments. A k-step is 16 columns (32 bytes) of an atom; 4 k-steps fill one.
-        for kk in range(KS):
+        # s: (N / 8, 4) fragments. A k-step is 16 columns (32 bytes) of an atom; 4 k-steps fill one; the
+        # first overwrites s.
+        first(s, smem, a_desc, b_desc, 0)
+        for kk in range(1, KS):
             step = (kk // 4) * ATOM_A + (kk % 4) * K_STEP
-            ss(s, smem, advance(a_desc, step), advance(b_desc, (kk // 4) * ATOM_B + (kk % 4) * K_STEP), kk)
+            ss(s, smem, advance(a_desc, step), advance(b_desc, (kk // 4) * ATOM_B + (kk % 4) * K_STEP), 1)
 
     @device_function
     def accumulate(acc, p, smem, b_desc):

@@ -14,7 +14,9 @@ dS on the CUDA cores the tensor cores run the other's products.
 * ``dkdv``: one block per (key block, kv head, batch element). One producer thread copies the block's K
   and V once, then each query tile's Q and dO (every query head of the GQA group in turn) into a ring
   of ``stages``, and the tile's LSE and D beside them (``cp.async.bulk``, no tensor map). A consumer's
-  step is v3's: S^T = K Q^T and dP^T = V dO^T, P^T, dV += P^T dO, dS^T, dK += dS^T Q.
+  step is v3's: S^T = K Q^T and dP^T = V dO^T, P^T, dV += P^T dO, dS^T, dK += dS^T Q. A stage is
+  released by the barrier each consumer ends its tile with, which the producer's warp joins (in place
+  of an empty mbarrier): see `_build_key_pass`.
 * ``dq``: one block per (query block, head, batch element); Q and dO once, then K and V tiles through
   the ring: S = Q K^T, dP = dO V^T, dS, dQ += dS K, the rows' LSE and D in registers.
 * ``dkdv_dq`` (``deterministic=False``, in place of both): the ``dkdv`` kernel whose consumers also store
@@ -34,7 +36,7 @@ from ...mods import NONE
 from ..blocks import key_block, query_block, tensor_core_backward
 from ..fragments import fill, fragment_writer
 from ..gradients import row_steps
-from ..intrinsics import (bulk_load, device_function, fence_proxy_async, mbarrier_arrive_expect_tx,
+from ..intrinsics import (bulk_load, device_function, fence_proxy_async, mbarrier_arrive_expect_tx, named_barrier_arrive,
                          mbarrier_init, named_barrier_sync, red_add2, setmaxnreg_dec, setmaxnreg_inc, shared_address,
                          tensormap_acquire, wgmma_commit, wgmma_fence, wgmma_ss, wgmma_wait0)
 from ..key_tiles import key_tiles, verdict_slot
@@ -53,7 +55,8 @@ REGISTERS = check_registers({1: (56, 256), 2: (40, 232)})
 # dK/dV kernel spilled 188 bytes.
 MIN_BLOCKS = 1
 DS_TILES = 2  # dS^T tiles of the dK/dV kernel that accumulates dQ: one is written while the other is read
-DS_BARRIER = 3  # the named barrier of its consumers (1 and 2 are each warpgroup's own)
+DS_BARRIER = 1  # the named barrier of its consumers
+FIRST_RELEASE_BARRIER = 2  # the dK/dV kernels' release barriers, one per consumer and stage (up to 12), from here
 DQ_ACC = types.Array(types.float32, 4, "C")
 STATS = types.Array(types.float32, 4, "C")  # the staged preprocess's (batch, nheads, 2, padded rows)
 
@@ -68,10 +71,10 @@ def tensor_map_args(q, k, v, dout, tiles):
 def layout_dkdv(D, tiles, accumulate_dq=False):
     """Element offsets from the aligned base: K and V (block_m rows), the Q and dO rings (stages of block_n
     rows), with ``accumulate_dq`` two dS^T tiles (block_m keys x block_n queries; none otherwise), the rings'
-    LSE and D (float32), the mbarriers (K and V full; full and empty per stage), the end."""
+    LSE and D (float32), the mbarriers (K and V full; full per stage), the end."""
     sizes = (tiles.block_m * D, tiles.block_m * D, tiles.stages * tiles.block_n * D,
              tiles.stages * tiles.block_n * D, DS_TILES * tiles.block_m * tiles.block_n if accumulate_dq else 0,
-             tiles.stages * 2 * tiles.block_n * 2, (1 + 2 * tiles.stages) * BARRIER_ELEMENTS)
+             tiles.stages * 2 * tiles.block_n * 2, (1 + tiles.stages) * BARRIER_ELEMENTS)
     return tuple(sum(sizes[:i]) for i in range(len(sizes) + 1))
 
 
@@ -167,10 +170,11 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
     BLOCK_M, BLOCK_N, CONSUMERS, STAGES = tiles.block_m, tiles.block_n, tiles.warpgroups, tiles.stages
     NT, DT, PS, AT = BLOCK_N // 8, D // 8, BLOCK_N // 16, ATOM // 8
     K_AT, V_AT, Q_AT, DO_AT, DS_AT, STATS_AT, BAR_AT, _ = layout_dkdv(D, tiles, accumulate_dq)
-    KV_FULL, FULL, EMPTY = BAR_AT, BAR_AT + BARRIER_ELEMENTS, BAR_AT + (1 + STAGES) * BARRIER_ELEMENTS
+    KV_FULL, FULL = BAR_AT, BAR_AT + BARRIER_ELEMENTS
     TILE = BLOCK_N * D  # elements of one Q or dO stage
     STATS_BYTES = 2 * 4 * BLOCK_N  # a tile's LSE and D
     ACCUMULATE_DQ = accumulate_dq
+    RELEASE_THREADS = 128 + 32  # a consumer warpgroup arriving, the producer's warp waiting
     copy_tile = bulk_copier(D)
     operands, step = dkdv_step(D, tiles, storage, mods)
     store_ds = ds_storer(BLOCK_N) if accumulate_dq else None
@@ -183,24 +187,48 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
     ZERO, ONE = types.float32(0), types.float32(1)
 
     @device_function
-    def produce(smem, base, delta, maps, mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, ntiles):
-        for which in range(4):  # Q, dO, K, V
-            tensormap_acquire(maps, which)
-        mbarrier_arrive_expect_tx(smem, base + KV_FULL, 2 * 2 * BLOCK_M * D)
-        copy_tile(smem, base + K_AT, base + KV_FULL, maps, 2, hk, key_start, b, BLOCK_M)
-        copy_tile(smem, base + V_AT, base + KV_FULL, maps, 3, hk, key_start, b, BLOCK_M)
+    def copy_query_tile(smem, base, delta, maps, mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, it):
+        # Query tile it's Q and dO, and its LSE and D, into its stage, landing on the stage's full mbarrier.
+        s = it % STAGES
+        h, q_start = tile_of(mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, it)
+        full = base + FULL + s * BARRIER_ELEMENTS
+        mbarrier_arrive_expect_tx(smem, full, 2 * 2 * BLOCK_N * D + STATS_BYTES)
+        copy_tile(smem, base + Q_AT + s * TILE, full, maps, 0, h, q_start, b, BLOCK_N)
+        copy_tile(smem, base + DO_AT + s * TILE, full, maps, 1, h, q_start, b, BLOCK_N)
+        # The tile's LSE, then its D (float32: two 16-bit elements each), as the consumers read them.
+        stats_at = base + STATS_AT + s * 4 * BLOCK_N
+        bulk_load(smem, stats_at, delta, (b, h, 0, q_start), STATS_BYTES // 2, full)
+        bulk_load(smem, stats_at + 2 * BLOCK_N, delta, (b, h, 1, q_start), STATS_BYTES // 2, full)
+
+    @device_function
+    def release_barrier(wg, it):
+        # The named barrier of consumer wg's release of tile it's stage: one per consumer and stage, so that a
+        # consumer's arrivals for the next tile (which it reaches before the producer waits for this one) count
+        # towards another barrier.
+        return FIRST_RELEASE_BARRIER + wg * STAGES + it % STAGES
+
+    @device_function
+    def freed(it):
+        # Until every consumer's threads arrived at the end of tile it: its stage is free.
+        for c in range(CONSUMERS):
+            named_barrier_sync(release_barrier(c, it), RELEASE_THREADS)
+
+    @device_function
+    def produce(smem, base, delta, maps, mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, ntiles, lane):
+        # By the producer's first warp: its lane 0 issues the copies, the whole warp joins the consumers' barriers.
+        if lane == 0:
+            for which in range(4):  # Q, dO, K, V
+                tensormap_acquire(maps, which)
+            mbarrier_arrive_expect_tx(smem, base + KV_FULL, 2 * 2 * BLOCK_M * D)
+            copy_tile(smem, base + K_AT, base + KV_FULL, maps, 2, hk, key_start, b, BLOCK_M)
+            copy_tile(smem, base + V_AT, base + KV_FULL, maps, 3, hk, key_start, b, BLOCK_M)
         for it in range(ntiles):
-            s = it % STAGES
-            h, q_start = tile_of(mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, it)
-            wait(smem, base + EMPTY + s * BARRIER_ELEMENTS, ((it // STAGES) & 1) ^ 1)
-            full = base + FULL + s * BARRIER_ELEMENTS
-            mbarrier_arrive_expect_tx(smem, full, 2 * 2 * BLOCK_N * D + STATS_BYTES)
-            copy_tile(smem, base + Q_AT + s * TILE, full, maps, 0, h, q_start, b, BLOCK_N)
-            copy_tile(smem, base + DO_AT + s * TILE, full, maps, 1, h, q_start, b, BLOCK_N)
-            # The tile's LSE, then its D (float32: two 16-bit elements each), as the consumers read them.
-            stats_at = base + STATS_AT + s * 4 * BLOCK_N
-            bulk_load(smem, stats_at, delta, (b, h, 0, q_start), STATS_BYTES // 2, full)
-            bulk_load(smem, stats_at + 2 * BLOCK_N, delta, (b, h, 1, q_start), STATS_BYTES // 2, full)
+            if it >= STAGES:  # the stage's last tile, it - STAGES, is done with
+                freed(it - STAGES)
+            if lane == 0:
+                copy_query_tile(smem, base, delta, maps, mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, it)
+        for it in range(max(ntiles - STAGES, 0), ntiles):  # every consumer's arrivals are met
+            freed(it)
 
     @device_function
     def key_pass(q, k, v, dout, lse, delta, dk, dv, dq_acc, scale_log2, left, right, vec, maps, mod):
@@ -219,13 +247,12 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
             mbarrier_init(smem, base + KV_FULL, 1)
             for s in range(STAGES):
                 mbarrier_init(smem, base + FULL + s * BARRIER_ELEMENTS, 1)
-                mbarrier_init(smem, base + EMPTY + s * BARRIER_ELEMENTS, CONSUMERS)
         cuda.syncthreads()
 
         if tid < PRODUCER:
             release_registers()
-            if tid == 0 and ntiles > 0:  # one thread issues the bulk copies
-                produce(smem, base, delta, maps, mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, ntiles)
+            if tid < 32 and ntiles > 0:  # the first warp: one thread issues the bulk copies
+                produce(smem, base, delta, maps, mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, ntiles, tid)
             return
 
         take_registers()
@@ -262,12 +289,14 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
 
                 step(smem, descs, at, s, dp, dlogit, p, d_s, dk_acc, dv_acc, stats, st, q_start, warp_key, key_start,
                      g, t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh, tile_full(mod, b, hk, key_start, it))
-                # The warpgroup's threads read the stage's LSE and D with ordinary loads: a barrier completes
-                # those reads before the one arrival that lets the copy engine overwrite them. racecheck does not
-                # follow that chain (12 hazards on these reads, whether the producer's warp stored them or, now,
-                # the copy engine: README, racecheck), nor a warp's bar.warp.sync before its lane 0's arrival
-                # (the same 12, at the same speed); an arrival by every thread, which it followed, ran
-                # 0.73-0.75x SDPA flash at headdim 128 against 0.93-0.98x (H100, fp16, .bench/racebwd.py).
+                # The warpgroup's threads read the stage's LSE and D with ordinary loads; each then arrives at
+                # the stage's release barrier, where the producer's warp waits before the copy engine overwrites
+                # the stage. With a barrier of the warpgroup and then one thread's arrival on an empty mbarrier
+                # instead, racecheck reported 12 hazards on these reads: it does not follow that chain (nor a
+                # warp's bar.warp.sync before its lane 0's arrival); an arrival on it by every thread, which it
+                # followed, ran 0.73-0.75x SDPA flash at headdim 128 against 0.93-0.98x (H100, fp16). Waiting at
+                # a barrier of the warpgroup and the producer's warp instead, synccheck reported the barrier
+                # divergent (the warp reaches it from other code).
                 if ACCUMULATE_DQ:
                     ds_at = DS_AT + (it % DS_TILES) * BLOCK_M * BLOCK_N
                     store_ds(d_s, words, (base + ds_at) // 2, (warp_key - key_start) // 16, g, t)
@@ -277,9 +306,7 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
                     named_barrier_sync(DS_BARRIER, 128 * CONSUMERS)
                     add_dq(smem, shared_address(smem, base), ds_at, K_AT, dq_frag, dq_acc, it, wg, b, h, q_start,
                            warp, g, t)
-                else:
-                    named_barrier_sync(1 + wg, 128)
-                release(smem, base + EMPTY + stage * BARRIER_ELEMENTS, ctid)
+                named_barrier_arrive(release_barrier(wg, it), RELEASE_THREADS)
 
         # dK = scale dS^T Q with scale = scale_log2 ln(2) (the scale argument with modifications); the rows past
         # seqlen_k are dropped.
