@@ -12,6 +12,7 @@ extra GPU memory of one call.
     python scripts/bench.py --memory-demo         # N = 131072, d = 128, one head: numbaflash vs naive
     python scripts/bench.py --tilings             # each kernel's candidate tilings, side by side
     python scripts/bench.py --memory              # also the peak extra memory of each forward call
+    python scripts/bench.py --timing stream       # calls timed back to back (host time hidden), not alone
 
 Writes bench.json and bench_tflops.png under --out.
 """
@@ -39,9 +40,16 @@ def flops(batch, nheads, seqlen, headdim, causal, backward=False):
     return 2.5 * f if backward else f
 
 
+# How a call is timed: "call", each call alone on an idle GPU (its host time before the kernel included, as one
+# call pays it); "stream", STREAM_CALLS calls enqueued back to back, each timed as their mean (as
+# triton.testing.do_bench times: a call's host time hides under the previous call's kernels).
+TIMING = "call"
+STREAM_CALLS = 10
+
+
 def time_ms(fn, warmup=2, repeats=7, warm_ms=100.0):
-    """Median milliseconds of one call (its host time included: each call starts on an idle GPU), after
-    ``warmup`` calls and at least ``warm_ms`` of calls; short calls get more repeats (about 20 ms of them)."""
+    """Median milliseconds of one call (`TIMING` says how a call is timed), after ``warmup`` calls and at
+    least ``warm_ms`` of calls; short calls get more repeats (about 20 ms of them)."""
     torch = _torch()
     start = time.perf_counter()
     done = 0
@@ -51,14 +59,16 @@ def time_ms(fn, warmup=2, repeats=7, warm_ms=100.0):
         done += 1
     per_call = (time.perf_counter() - start) * 1e3 / done
     repeats = max(repeats, min(50, int(20 / per_call)))  # about 20 ms of timed calls, up to 50 of them
+    calls = STREAM_CALLS if TIMING == "stream" else 1
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(calls):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / calls)
     return statistics.median(times)
 
 
@@ -329,8 +339,12 @@ def main(argv=None):
     parser.add_argument("--memory", action="store_true", help="measure the peak extra memory of forward calls")
     parser.add_argument("--deterministic", choices=["yes", "no"], default="yes",
                         help="the backward's deterministic argument (no: atomic dQ where the plan has it)")
+    parser.add_argument("--timing", choices=["call", "stream"], default="call",
+                        help="each call alone on an idle GPU (host time included), or calls back to back")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
+    global TIMING
+    TIMING = args.timing
     if args.memory_demo:
         memory_demo()
         return

@@ -270,9 +270,9 @@ def test_tensor_core_kernels_sass_has_their_mma_and_no_local_memory(dtype, headd
     hopper = (tiling.uses_wgmma_backward if backward else tiling.uses_wgmma)(dtype, device, headdim)
     assert plan.kernel == ("wgmma_tma_backward" if backward and hopper else "mma_backward" if backward else
                            plan.tiles.kernel if hopper else "mma_forward")
-    for launch in plan.launches:
-        if launch.kernel == "simt_backward_preprocess":
-            continue  # the backward's D = rowsum(dO * O) runs on the CUDA cores
+    # A backward's first launch is its preprocess (D = rowsum(dO * O), with v5 the staged LSE too), on the CUDA
+    # cores.
+    for launch in plan.launches[1:] if backward else plan.launches:
         sass = "\n".join(interface.kernel_for(plan, launch).dispatcher.inspect_sass().values())
         assert "LDL" not in sass and "STL" not in sass, launch.kernel
         tma = isinstance(plan.tiles, tiling.WgmmaTiles) and plan.tiles.tma
