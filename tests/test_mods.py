@@ -332,7 +332,8 @@ BACKWARD_FAMILIES = {
 def test_a_block_masked_backward_skips_empty_tiles_in_both_passes(family, arrays, mode, poisoned):
     """Documents without causality, other ones per head, GQA: both passes of the backward visit only the block
     mask's non-empty tiles, in each head's own order, and skip mask_mod on full ones (64-key blocks inside one
-    document), held to the reference rule. On a GPU also: empty tiles add exact zeros, so the gradients equal
+    document; the dQ pass reads its verdicts on partial ones from the block mask's bits), held to the
+    reference rule. On a GPU also: empty tiles add exact zeros, so the gradients equal
     the dense mask_mod call's bit for bit (the atomic dQ, which sums in a varying order, to an ulp)."""
     to_device, to_host = arrays
     dtype, tiles, deterministic = BACKWARD_FAMILIES[family]

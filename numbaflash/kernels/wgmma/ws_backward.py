@@ -36,9 +36,9 @@ from ...mods import NONE
 from ..blocks import key_block, query_block, tensor_core_backward
 from ..fragments import fill, fragment_writer
 from ..gradients import row_steps
-from ..intrinsics import (bulk_load, device_function, fence_proxy_async, mbarrier_arrive_expect_tx, named_barrier_arrive,
-                         mbarrier_init, named_barrier_sync, red_add2, setmaxnreg_dec, setmaxnreg_inc, shared_address,
-                         tensormap_acquire, wgmma_commit, wgmma_fence, wgmma_ss, wgmma_wait0)
+from ..intrinsics import (bulk_load, device_function, fence_proxy_async, mbarrier_arrive_expect_tx, mbarrier_init,
+                         named_barrier_arrive, named_barrier_sync, red_add2, setmaxnreg_dec, setmaxnreg_inc,
+                         shared_address, tensormap_acquire, wgmma_commit, wgmma_fence, wgmma_ss, wgmma_wait0)
 from ..key_tiles import key_tiles, verdict_slot
 from ..mods import modifiers
 from ..query_tiles import query_tiles
