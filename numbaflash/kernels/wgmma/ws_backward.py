@@ -56,7 +56,7 @@ REGISTERS = check_registers({1: (56, 256), 2: (40, 232)})
 MIN_BLOCKS = 1
 DS_TILES = 2  # dS^T tiles of the dK/dV kernel that accumulates dQ: one is written while the other is read
 DS_BARRIER = 1  # the named barrier of its consumers
-FIRST_RELEASE_BARRIER = 2  # the dK/dV kernels' release barriers, one per consumer and stage (up to 12), from here
+FIRST_RELEASE_BARRIER = 2  # the dK/dV kernels' release barriers, one per consumer and stage (8 at most of 16)
 DQ_ACC = types.Array(types.float32, 4, "C")
 STATS = types.Array(types.float32, 4, "C")  # the staged preprocess's (batch, nheads, 2, padded rows)
 
