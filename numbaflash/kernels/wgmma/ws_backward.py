@@ -15,8 +15,8 @@ dS on the CUDA cores the tensor cores run the other's products.
   and V once, then each query tile's Q and dO (every query head of the GQA group in turn) into a ring
   of ``stages``, and the tile's LSE and D beside them (``cp.async.bulk``, no tensor map). A consumer's
   step is v3's: S^T = K Q^T and dP^T = V dO^T, P^T, dV += P^T dO, dS^T, dK += dS^T Q. A stage is
-  released by the barrier each consumer ends its tile with, which the producer's warp joins (in place
-  of an empty mbarrier): see `_build_key_pass`.
+  released by its consumers' threads arriving at a named barrier (one per consumer and stage) where the
+  producer's warp waits, in place of an empty mbarrier: see `_build_key_pass`.
 * ``dq``: one block per (query block, head, batch element); Q and dO once, then K and V tiles through
   the ring: S = Q K^T, dP = dO V^T, dS, dQ += dS K, the rows' LSE and D in registers.
 * ``dkdv_dq`` (``deterministic=False``, in place of both): the ``dkdv`` kernel whose consumers also store
