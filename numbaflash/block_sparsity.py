@@ -77,19 +77,19 @@ class BlockMask:
         evaluated (memory for the counts alone: a boolean array of every score took 9 bytes a score)."""
         counts = np.zeros((self.batch or 1, self.nheads or 1, -(-self.seqlen_q // rows), -(-self.seqlen_k // cols)),
                           np.int32)
-        self._evaluate(_counting_loop, counts.size * rows * cols, counts, rows, cols, left, right)
+        self._evaluate(_counting_loop, counts.size * rows * cols, (counts,), rows, cols, left, right)
         return counts
 
     def _evaluate(self, loop_of, scores, out, rows, cols, left, right):
-        """Run ``loop_of(mask_mod, parallel)(out, ..., rows, cols, lo, hi, mod_args)`` (``out`` a tuple of its leading
-        arguments, or one array) over the rows' key ranges ``[lo, hi)`` in the window ``(left, right)``, on every
-        core when it evaluates at least `PARALLEL_SCORES` ``scores``."""
+        """Run ``loop_of(mask_mod, parallel)(*out, rows, cols, lo, hi, mod_args)`` (``out``: the loop's leading
+        arguments) over the rows' key ranges ``[lo, hi)`` in the window ``(left, right)``, on every core when it
+        evaluates at least `PARALLEL_SCORES` ``scores``."""
         lo, hi = np.array([masks.key_range(i, self.seqlen_q, self.seqlen_k, left, right)
                            for i in range(self.seqlen_q)], dtype=np.int64).T.copy()
         parallel = scores >= PARALLEL_SCORES
         with _PARALLEL_LOCK if parallel else contextlib.nullcontext():
             args = tuple(np.asarray(a) for a in self.mod_args)
-            loop_of(self.mask_mod, parallel)(*(out if isinstance(out, tuple) else (out,)), rows, cols, lo, hi, args)
+            loop_of(self.mask_mod, parallel)(*out, rows, cols, lo, hi, args)
 
     def _fine_counts(self):
         """Visible scores per FINE x FINE tile, counted once."""

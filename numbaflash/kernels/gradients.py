@@ -218,18 +218,16 @@ def _row_ds(M, NT, mods, TESTED):
             row = warp_row + lane_row(r, g)
             distance = types.float32(row + seqlen_k - seqlen_q - n_start - 2 * t)  # ALiBi's, first key
             for j in range(NT):
-                # The row's verdicts on tile columns c0 + 8 j + 2 t + e: bits (c0 + 8 j) % 32 + e of its word
-                # (c0 + 8 j) // 32 shifted by 2 t (`softmax.steps`' mask reads them alike).
-                word = types.int32(0)
+                word = types.int32(0)  # the row's verdicts on the lane's tile columns c0 + 8 j + 2 t + e
                 if BITS and not block_full:
-                    word = verdict_word(mod, slot, row - row_start, (c0 + 8 * j) // 32) >> types.int32(2 * t)
+                    word = verdict_word(mod, slot, row - row_start, c0 + 8 * j, t)
                 for e in range(2):
                     key = n_start + 8 * j + 2 * t + e
                     x = mi * NT + j
                     d = ZERO
                     if not TESTED or ((key >= lo_r[r] and key < hi_r[r]) and (not GUARDED or (
                             row < seqlen_q and (block_full or (
-                                (word >> types.int32((c0 + 8 * j) % 32 + e)) & types.int32(1) != 0 if BITS else
+                                key_tiles.shown(word, c0 + 8 * j, e) if BITS else
                                 visible(b, h, row, key, bh)))))):
                         x2, grad = logit2(s[x, 2 * half + e] * scale_log2, b, h, row, key,
                                           abs(distance - types.float32(8 * j + e)), bh)

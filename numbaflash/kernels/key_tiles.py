@@ -13,8 +13,8 @@
 With a block mask (``mods.block_sparse``) ``mod[0]`` is `numbaflash.block_sparsity.BlockMask.key_tiles`'s
 ``(table, bits)``, made for these tiles and the call's causal/window mask: entry 0 of a query tile is its
 count, entries 1.. are ``2 * key tile + full`` and, after them, each partial tile's slot in ``bits``:
-`verdict_slot` and `verdict_word` read them for the forwards' `softmax.steps` mask, which asks mask_mod
-nothing on a block-masked call.
+`verdict_slot`, `verdict_word` and `shown` read them for the forwards' `softmax.steps` mask and the dQ pass's
+`gradients.row_steps`, which ask mask_mod nothing on a block-masked call.
 
 Skipping mask_mod on full tiles costs registers, as the choice between the two paths is made per tile: with
 ``full`` from the table, ptxas 13.0 kept 124 bytes of local memory in v5's forward at headdim 128 with a
@@ -92,15 +92,25 @@ def verdict_slot(mods, BLOCK_M):
 
 
 def verdict_word(mods):
-    """``word(mod, slot, r, w)``: word ``w`` of row ``r`` of the verdicts in ``slot`` (a device function cannot
+    """``word(mod, slot, r, col, t)``: the word of the verdicts in ``slot`` that holds row ``r``'s tile columns
+    ``col ..`` (``col`` a multiple of 8: an 8-column chunk never straddles two 32-bit words), shifted for
+    fragment lane ``4 g + t`` (its columns ``col + 2 t``, ``+ 1``), for `shown` to read (a device function cannot
     return the bits array itself: numba returns only arrays passed in)."""
     if mods.block_sparse:
         @device_function
-        def word(mod, slot, r, w):
-            return mod[0][1][slot, r, w]
+        def word(mod, slot, r, col, t):
+            return mod[0][1][slot, r, col // 32] >> types.int32(2 * t)
     else:
         @device_function
-        def word(mod, slot, r, w):
+        def word(mod, slot, r, col, t):
             return types.int32(0)
 
     return word
+
+
+@device_function
+def shown(word, col, e):
+    """Whether `verdict_word`'s ``word`` for columns ``col ..`` shows the lane's column ``col + 2 t + e`` (int32
+    words: the right shifts copy the sign bit into bits no test reads). Reading the lane's two bits as one
+    ``& 3`` pair instead took v5's block-masked forward from 6103 to 7618 instructions at headdim 64 (ptxas 13.0)."""
+    return (word >> types.int32(col % 32 + e)) & types.int32(1) != 0

@@ -91,9 +91,9 @@ def modifiers(mods, ACC, fast=False):
     is damped by 1 - tanh^2 and tanh.approx's error is not: an emulation erring by 2^-11 on every score fails
     the LSE rule on the tests' softcap 1.5 (5x naive's error), so the rule rests on the hardware erring less
     there than its documented bound, as it does: at most 2^-16.6 relative below |x| = 2 and 2^-18.5 beyond,
-    unbiased (H200, every 64th float32 in [-12, 12]; the simulator's emulation is exact). On the special-function unit,
-    which also runs the softmax's ex2 and is what bounds a headdim-64 kernel, it is one instruction per score
-    where ``1 - 2 / (e^(2y) + 1)`` took two (ex2 and rcp)."""
+    unbiased (H200, every 64th float32 in [-12, 12]; the simulator's emulation is exact). On the
+    special-function unit, which also runs the softmax's ex2 and is what bounds a headdim-64 kernel, it is one
+    instruction per score where ``1 - 2 / (e^(2y) + 1)`` took two (ex2 and rcp)."""
     ONE, LN2, LOG2E = ACC(1), ACC(math.log(2.0)), ACC(math.log2(math.e))
     MODIFIED, MASKED = mods.scores_modified, mods.mask_mod is not None
     CAP_AT = int(mods.block_sparse) + 2 * int(mods.packed)  # in the kernel's mod tuple

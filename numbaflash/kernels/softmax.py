@@ -109,18 +109,16 @@ def steps(M, NT, DT, mods=NONE):
                 hi_r = lo_r
             distance = types.float32(row + seqlen_k - seqlen_q - n_start - 2 * t)  # ALiBi's, for the lane's first key
             for j in range(NT):
-                # The row's verdicts on columns 8 j + 2 t + e: bits 8 (j % 4) + e of its word j // 4 shifted by 2 t
-                # (an 8-column chunk never straddles two words).
-                word = types.int32(0)
-                if from_bits:  # (int32 words: a right shift copies the sign bit, which no test below reads)
-                    word = verdict_word(mod, slot, row - row_start, j // 4) >> types.int32(2 * t)
+                word = types.int32(0)  # the row's verdicts on the lane's columns 8 j + 2 t + e
+                if from_bits:
+                    word = verdict_word(mod, slot, row - row_start, 8 * j, t)
                 for e in range(2):
                     key = n_start + 8 * j + 2 * t + e
                     x = s[mi * NT + j, 2 * half + e]
                     hidden = key < lo_r or key >= hi_r
                     if not hidden and masked:
                         if BITS:
-                            hidden = (word >> types.int32(8 * (j % 4) + e)) & types.int32(1) == 0
+                            hidden = not key_tiles.shown(word, 8 * j, e)
                         else:
                             hidden = not visible(b, h, row, key, bh)
                     if hidden:
