@@ -62,6 +62,12 @@ class Mods:
         return self.softcap or self.alibi or self.score_mod is not None
 
     @property
+    def per_score_functions(self):
+        """Whether a forward calls the user's functions per score: a score_mod, or a mask_mod whose verdicts no
+        block mask keeps as bits. Their registers do not fit three consumer warpgroups (`tiling`)."""
+        return self.score_mod is not None or (self.mask_mod is not None and not self.block_sparse)
+
+    @property
     def user_functions(self):
         """The user's functions, which the disk cache cannot key (their globals may change): such kernels
         are compiled once per process instead."""

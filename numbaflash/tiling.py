@@ -219,9 +219,11 @@ SIMULATOR_MMA_TILES = MmaTiles(32, 16, 1, 2)
 #   at 128 x 128 with two; headdim 128 at 128 x 128 0.83-1.55x (128 x 160 equal within noise); headdim
 #   256 at 128 x 48 1.07-1.65x, against mma.sync's 0.43-0.53x (128 x 64 ran 1.24-1.82x but keeps 8 bytes
 #   of local memory; 128 x 48 keeps none).
-# Three consumers get 152 registers each, which modifications do not fit in (ptxas 13.0 spill stores,
-# 2026-11-25: softcap 164 bytes, softcap with ALiBi 184, ALiBi 432, a block mask 168): modified calls at
-# headdim 64 run two consumers (WGMMA_MODIFIED_TILES).
+# Three consumers get 160 registers each (`wgmma.pipeline.REGISTERS`). softcap, ALiBi and block masks fit in
+# them since their steps compare each score's column with a per-row range and the built-in modifications
+# apply to every score before the mask (`kernels.softmax`; before that, at 152 registers, ptxas 13.0 kept
+# 164-432 bytes of local memory). The user's per-score functions (a score_mod, or a mask_mod without a block
+# mask's bits) still spill in three (72-164 bytes): such calls at headdim 64 run two (WGMMA_USER_FUNCTION_TILES).
 # Inputs the copy engine cannot read (`make_plan`'s ``aligned``) and packed sequences run v3 with cp.async
 # (WGMMA_CP_ASYNC_TILES); at headdim 256, which v3 has no tiles for, mma.sync (on the simulator too).
 # Head dims up to 32 stay on mma.sync, whose 16- and 32-wide buckets pad less than wgmma's 64-wide atoms.
@@ -231,7 +233,7 @@ WGMMA_MIN_HEADDIM = 33
 WGMMA_TILES = {64: WgmmaTiles(192, 96, 3, producer=True, tma=True, pingpong=True),
                128: WgmmaTiles(128, 128, 2, producer=True, tma=True, pingpong=True),
                256: WgmmaTiles(128, 48, 2, producer=True, tma=True, pingpong=True)}
-WGMMA_MODIFIED_TILES = {64: WgmmaTiles(128, 128, 2, producer=True, tma=True, pingpong=True)}
+WGMMA_USER_FUNCTION_TILES = {64: WgmmaTiles(128, 128, 2, producer=True, tma=True, pingpong=True)}
 WGMMA_CP_ASYNC_TILES = {64: WgmmaTiles(128, 112, 2), 128: WgmmaTiles(128, 64, 2)}
 SIMULATOR_WGMMA_TILES = WgmmaTiles(64, 16, 1)
 # wgmma backward (compute capability 9.0). v5 (`wgmma.ws_backward`): a producer warpgroup's bulk tensor copies
@@ -438,24 +440,25 @@ def _choose(direction, acc, D, acc_bytes, device, smem_of):
 
 
 def make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward=False, device=None, tiles=None,
-              aligned=True, packed=False, modified=False, deterministic=True):
+              aligned=True, packed=False, user_functions=False, deterministic=True):
     """The plan for these sizes on ``device`` (default: the current one). ``tiles`` overrides the blocks.
     ``aligned``: whether q, k and v have a contiguous head dim, a multiple of 8, and 16-byte aligned
     strides, as the bulk tensor copy engine needs (`interface.vector_staging`). ``packed``: a varlen call
     (`numbaflash.varlen`) of ``batch`` sequences, the longest ``seqlen_q`` and ``seqlen_k``, which the
-    grid covers. ``modified``: score or mask modifications compile into the kernels (`numbaflash.mods`).
+    grid covers. ``user_functions``: the forward calls the user's functions per score
+    (`numbaflash.mods.Mods.per_score_functions`).
     ``deterministic``: a backward whose repeats are bitwise identical; False with v5's ``tiles`` runs its dK/dV
     kernel that accumulates dQ with float32 atomics (`WGMMA_ATOMIC_DQ`), which no plan picks by itself."""
     device = current_device() if device is None else device
     return _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned,
-                      packed, modified, deterministic)
+                      packed, user_functions, deterministic)
 
 
 @functools.lru_cache(maxsize=1024)  # plans are immutable; a model calls attention with few distinct shapes
 def _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned, packed,
-               modified, deterministic):
+               user_functions, deterministic):
     plan = _choose_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned,
-                        packed, modified, deterministic)
+                        packed, user_functions, deterministic)
     if backward and not deterministic and not isinstance(plan.tiles, WgmmaTiles):  # the wgmma plans say their own
         plan = dataclasses.replace(plan, reason=plan.reason + f"; deterministic=False: {plan.kernel} has no atomic "
                                    "dQ, and runs its deterministic passes")
@@ -463,7 +466,7 @@ def _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, bac
 
 
 def _choose_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned, packed,
-                 modified, deterministic):
+                 user_functions, deterministic):
     from .kernels.mma import backward as mma_backward
     from .kernels.simt import backward as simt_backward, forward as simt_forward
 
@@ -478,7 +481,7 @@ def _choose_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, b
         if backward and (isinstance(tiles, WgmmaTiles) or (tiles is None and uses_wgmma_backward(dtype, device, headdim))):
             return _wgmma_backward_plan(shape, device, tiles, aligned, packed, deterministic)
         if not backward and (isinstance(tiles, WgmmaTiles) or (tiles is None and uses_wgmma(dtype, device, headdim))):
-            return _wgmma_forward_plan(shape, device, tiles, aligned, packed, modified)
+            return _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions)
         if not backward:
             return _mma_forward_plan(shape, device, tiles)
         if headdim <= mma_backward.MAX_HEADDIM:
@@ -594,17 +597,17 @@ def _mma_forward_plan(shape, device, tiles, hopper=""):
     return _plan("mma_forward", reason, shape, device, D, tiles, smem, registers)
 
 
-def _wgmma_forward_plan(shape, device, tiles, aligned, packed, modified):
+def _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions):
     from .kernels.wgmma import forward as wgmma_forward, ws_forward as wgmma_ws_forward
 
     D = next(D for D in WGMMA_HEADDIMS if shape["headdim"] <= D)
     copies = ""
     if tiles is None:
         tiles = (SIMULATOR_WGMMA_TILES if device.simulator else
-                 WGMMA_MODIFIED_TILES.get(D, WGMMA_TILES[D]) if modified else WGMMA_TILES[D])
-        if modified and D in WGMMA_MODIFIED_TILES and not device.simulator:
-            copies = (f"; modifications compiled in: {tiles.warpgroups} consumer warpgroups, whose registers hold them "
-                      f"({WGMMA_TILES[D].warpgroups}, faster on plain calls, spill them)")
+                 WGMMA_USER_FUNCTION_TILES.get(D, WGMMA_TILES[D]) if user_functions else WGMMA_TILES[D])
+        if user_functions and D in WGMMA_USER_FUNCTION_TILES and not device.simulator:
+            copies = (f"; the user's functions called per score: {tiles.warpgroups} consumer warpgroups, whose "
+                      f"registers hold them ({WGMMA_TILES[D].warpgroups} spill them)")
         cp_async = ("packed (varlen) sequences, whose rows the bulk tensor copies' tensor maps do not locate"
                     if tiles.producer and packed else
                     "q, k or v has a head dim that is not contiguous, not a multiple of 8 or not 16-byte aligned, "

@@ -11,6 +11,7 @@ tests' job; this guards the timings against a kernel that computes something els
 
     python scripts/bench_mods.py --out DIR         # head dims 64 and 128, N = 4096 and 16384
     python scripts/bench_mods.py --seqlens 2048 --headdims 64
+    python scripts/bench_mods.py --timing stream   # calls back to back, as bench.py --timing stream
 
 Writes bench_mods.json under --out.
 """
@@ -136,9 +137,15 @@ def main():
     parser.add_argument("--headdims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--passes", nargs="+", default=["forward", "backward"], choices=["forward", "backward"])
+    parser.add_argument("--timing", choices=["call", "stream"], default="call",
+                        help="each call alone (its host time included), or calls back to back (bench.py's --timing)")
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
     import torch
+
+    import bench
+
+    bench.TIMING = args.timing
 
     print(f"device: {torch.cuda.get_device_name()}")
     rows = []

@@ -101,8 +101,7 @@ def plan_of(case):
         bucket = tiling.mma_headdim_bucket(headdim)
         tiles = tiling.MMA_BACKWARD_TILES[bucket] if backward else tiling.MMA_TILES[bucket]
     plan = tiling.make_plan(case["batch"], case["nheads"], case["nheads_kv"], case["seqlen"], case["seqlen"], headdim,
-                            dtype_of(case["family"]), backward=backward, tiles=tiles,
-                            modified=bool(case["documents"]))
+                            dtype_of(case["family"]), backward=backward, tiles=tiles)
     family = ("wgmma" if isinstance(plan.tiles, tiling.WgmmaTiles) else
               "mma" if isinstance(plan.tiles, tiling.MmaTiles) else "simt")
     if family != case["family"]:

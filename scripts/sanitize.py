@@ -46,7 +46,7 @@ def grid():
                                                   **mask)
                 if dtype == "float16" and d == 64 and hopper:
                     # The two ping-pong consumers that modified calls run at headdim 64, and headdim 256's v5.
-                    plan = tiling.make_plan(b, h, hk, nq, nk, d, dtype, tiles=tiling.WGMMA_MODIFIED_TILES[64])
+                    plan = tiling.make_plan(b, h, hk, nq, nk, d, dtype, tiles=tiling.WGMMA_USER_FUNCTION_TILES[64])
                     numbaflash.attention(q, k, v, plan=plan, **mask)
                     numbaflash.attention(*(cupy.concatenate([x] * 4, axis=-1) for x in (q, k, v)), **mask)
         # Every modification at once, the mask through a block mask (the kernels' tile tables) on one shape:

@@ -180,11 +180,11 @@ def test_hopper_plans_name_the_kernel_family_and_why():
     wgmma = tiling.make_plan(2, 8, 2, 4096, 4096, 128, "bfloat16", device=HOPPER)
     assert wgmma.kernel == "wgmma_tma_forward" and wgmma.tiles.pingpong and wgmma.tiles.warpgroups == 2
     assert "warpgroups" in wgmma.describe() and "wgmma" in wgmma.reason
-    # Headdim 64 runs three consumer warpgroups, unless modifications compile in, which their registers
-    # do not hold.
+    # Headdim 64 runs three consumer warpgroups, unless the user's functions are called per score, which
+    # their registers do not hold.
     assert tiling.make_plan(1, 8, 8, 2048, 512, 64, "float16", device=HOPPER).tiles.warpgroups == 3
-    modified = tiling.make_plan(1, 8, 8, 2048, 512, 64, "float16", device=HOPPER, modified=True)
-    assert modified.tiles.warpgroups == 2 and "modifications compiled in" in modified.reason
+    user = tiling.make_plan(1, 8, 8, 2048, 512, 64, "float16", device=HOPPER, user_functions=True)
+    assert user.tiles.warpgroups == 2 and "the user's functions called per score" in user.reason
     wide = tiling.make_plan(2, 8, 2, 4096, 4096, 256, "float16", device=HOPPER)
     assert wide.kernel == "wgmma_tma_forward" and wide.tiles == tiling.WGMMA_TILES[256]
     # Headdim 256 where v5 cannot run (packed sequences, inputs the copy engine cannot read): v3 has no

@@ -213,7 +213,7 @@ def test_a_document_mask_loads_only_the_tiles_of_each_document():
     doc = np.arange(seqlen) // (seqlen // documents)
     mask = numbaflash.block_mask(same_document, None, None, seqlen, seqlen, mod_args=(doc,))
     plan = tiling.make_plan(1, 1, 1, seqlen, seqlen, 64, "float16", device=HOPPER,
-                            tiles=tiling.WGMMA_MODIFIED_TILES[64])
+                            tiles=tiling.WGMMA_USER_FUNCTION_TILES[64])
     (kernel,) = hardware.predict(plan, block_mask=mask, gpu=hardware.H100).kernels
     box = 128 * 128
     assert kernel.tma_bytes == documents * (box + 2 * box)

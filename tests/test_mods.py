@@ -107,7 +107,7 @@ def test_wgmma_backward(arrays, poisoned, mode):
     for name in COMBINATIONS if mode == "gpu" else ["prefix LM, softcap, temperature"]:
         case = case_of(name, "bfloat16")
         plan = tiling.make_plan(BATCH, NHEADS, NHEADS_KV, SEQLEN_Q, SEQLEN_K, HEADDIM, "bfloat16", backward=True,
-                                tiles=tiling.SIMULATOR_WGMMA_BACKWARD_TILES, modified=True)
+                                tiles=tiling.SIMULATOR_WGMMA_BACKWARD_TILES)
         check_backward(case, numbaflash.attention, lambda *a, **kw: numbaflash.attention_backward(*a, plan=plan, **kw),
                        *arrays)
 
@@ -120,7 +120,7 @@ def test_wgmma_backward_at_headdim_128_forms_ds_with_p(arrays, poisoned):
         case = Case(BATCH, SEQLEN_Q, SEQLEN_K, NHEADS, NHEADS_KV, 72, "float16", causal=name == "softcap, ALiBi",
                     logit_scale=2.0, seed=5, modifications=modifications(name, SEQLEN_Q, SEQLEN_K, seed=5))
         plan = tiling.make_plan(BATCH, NHEADS, NHEADS_KV, SEQLEN_Q, SEQLEN_K, 72, "float16", backward=True,
-                                tiles=tiling.SIMULATOR_WGMMA_BACKWARD_TILES, modified=True)
+                                tiles=tiling.SIMULATOR_WGMMA_BACKWARD_TILES)
         assert plan.headdim_padded == 128
         check_backward(case, numbaflash.attention, lambda *a, **kw: numbaflash.attention_backward(*a, plan=plan, **kw),
                        *arrays)
@@ -143,7 +143,7 @@ GPU_FAMILIES = {
     "simt": ("float32", 64, None),
     "mma": ("float16", 64, tiling.MMA_TILES[64]),
     "wgmma v3": ("float16", 128, tiling.WGMMA_CP_ASYNC_TILES[128]),
-    "wgmma v5": ("bfloat16", 64, tiling.WGMMA_MODIFIED_TILES[64]),
+    "wgmma v5": ("bfloat16", 64, tiling.WGMMA_USER_FUNCTION_TILES[64]),
     "wgmma v5 (d128)": ("float16", 128, tiling.WGMMA_TILES[128]),
     "wgmma v5 (d256)": ("bfloat16", 256, tiling.WGMMA_TILES[256]),
     "wgmma v5 (3 consumers)": ("bfloat16", 64, tiling.WGMMA_TILES[64]),

@@ -225,10 +225,14 @@ def _row_ds(M, NT, mods, TESTED):
                     key = n_start + 8 * j + 2 * t + e
                     x = mi * NT + j
                     d = ZERO
-                    if not TESTED or ((key >= lo_r[r] and key < hi_r[r]) and (not GUARDED or (
-                            row < seqlen_q and (block_full or (
-                                key_tiles.shown(word, c0 + 8 * j, e) if BITS else
-                                visible(b, h, row, key, bh)))))):
+                    if not TESTED:
+                        seen = True
+                    elif BITS and not block_full:  # the bits hold the causal/window mask and the sequences' ends
+                        seen = key_tiles.shown(word, c0 + 8 * j, e)
+                    else:
+                        seen = key >= lo_r[r] and key < hi_r[r] and (not GUARDED or (
+                            row < seqlen_q and (block_full or visible(b, h, row, key, bh))))
+                    if seen:
                         x2, grad = logit2(s[x, 2 * half + e] * scale_log2, b, h, row, key,
                                           abs(distance - types.float32(8 * j + e)), bh)
                         d = ex2(x2 - lse2[r]) * (dp[x, 2 * half + e] - dsum[r]) * grad

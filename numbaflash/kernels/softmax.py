@@ -81,49 +81,73 @@ def steps(M, NT, DT, mods=NONE):
             l_i[r] = ZERO
 
     @device_function
-    def mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale, bh,
-             block_full, mod, slot):
-        masked = MASKED and not block_full  # a block mask found mask_mod true on the whole tile: no need to ask
-        from_bits = BITS and masked  # the block mask kept its verdicts on this tile
-        if not masked and masks.tile_is_full(row_start, row_end, n_start, n_start + 8 * NT, seqlen_q, seqlen_k, left,
-                                             right):
-            if not MODIFIED:
-                return
-            if not USER_SCORES or warp_row + 16 * M <= seqlen_q:
-                # Every score visible and every index in bounds: modified without a branch per score.
-                for r in range(M_ROWS):
-                    mi, half = r // 2, r % 2
-                    row = warp_row + lane_row(r, g)
-                    distance = types.float32(row + seqlen_k - seqlen_q - n_start - 2 * t)
-                    for j in range(NT):
-                        for e in range(2):
-                            s[mi * NT + j, 2 * half + e] = logit(s[mi * NT + j, 2 * half + e] * scale, b, h, row,
-                                                                 n_start + 8 * j + 2 * t + e,
-                                                                 abs(distance - types.float32(8 * j + e)), bh)
-                return
+    def modify(s, b, h, warp_row, g, t, n_start, seqlen_q, seqlen_k, scale, bh):
+        # Every score modified, without a branch per score: each index in bounds, or no user function reads it.
         for r in range(M_ROWS):
             mi, half = r // 2, r % 2
             row = warp_row + lane_row(r, g)
+            distance = types.float32(row + seqlen_k - seqlen_q - n_start - 2 * t)  # ALiBi's, for the lane's first key
+            for j in range(NT):
+                for e in range(2):
+                    s[mi * NT + j, 2 * half + e] = logit(s[mi * NT + j, 2 * half + e] * scale, b, h, row,
+                                                         n_start + 8 * j + 2 * t + e,
+                                                         abs(distance - types.float32(8 * j + e)), bh)
+
+    @device_function
+    def mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale, bh,
+             block_full, mod, slot):
+        masked = MASKED and not block_full  # a block mask found mask_mod true on the whole tile: no need to ask
+        if not masked and masks.tile_is_full(row_start, row_end, n_start, n_start + 8 * NT, seqlen_q, seqlen_k, left,
+                                             right):
+            if MODIFIED and (not USER_SCORES or warp_row + 16 * M <= seqlen_q):
+                modify(s, b, h, warp_row, g, t, n_start, seqlen_q, seqlen_k, scale, bh)
+            if not MODIFIED or not USER_SCORES or warp_row + 16 * M <= seqlen_q:
+                return
+        # The built-in modifications read no memory: every score is modified, then the hidden ones are set to
+        # -inf. Modified inside the tests below (a test per score), their code kept 140-308 bytes of local
+        # memory in three consumers at headdim 64 (ptxas 13.0); the user's score_mod sees only visible scores.
+        if MODIFIED and not USER_SCORES:
+            modify(s, b, h, warp_row, g, t, n_start, seqlen_q, seqlen_k, scale, bh)
+        if BITS and masked:
+            # The block mask's bits already hold the causal/window mask and the sequences' ends (a key range per
+            # row beside them kept 48 bytes of local memory in three consumers at headdim 64).
+            for r in range(M_ROWS):
+                mi, half = r // 2, r % 2
+                row = warp_row + lane_row(r, g)
+                distance = types.float32(row + seqlen_k - seqlen_q - n_start - 2 * t)
+                for j in range(NT):
+                    word = verdict_word(mod, slot, row - row_start, 8 * j, t)
+                    for e in range(2):
+                        x = s[mi * NT + j, 2 * half + e]
+                        if not key_tiles.shown(word, 8 * j, e):
+                            x = NEG_INF
+                        elif USER_SCORES:
+                            x = logit(x * scale, b, h, row, n_start + 8 * j + 2 * t + e,
+                                      abs(distance - types.float32(8 * j + e)), bh)
+                        s[mi * NT + j, 2 * half + e] = x
+            return
+        for r in range(M_ROWS):
+            mi, half = r // 2, r % 2
+            row = warp_row + lane_row(r, g)
+            distance = types.float32(row + seqlen_k - seqlen_q - n_start - 2 * t)
             lo_r, hi_r = masks.key_range(row, seqlen_q, seqlen_k, left, right)
             if row >= seqlen_q:  # rows past the sequence never reach the user's functions
                 hi_r = lo_r
-            distance = types.float32(row + seqlen_k - seqlen_q - n_start - 2 * t)  # ALiBi's, for the lane's first key
+            # The row's visible keys counted from the lane's first, clamped to the tile: each score's test compares
+            # a constant with them (64-bit keys per score took registers three consumers lack).
+            first = n_start + 2 * t
+            lo_c = types.int32(min(max(lo_r - first, -1), 8 * NT))
+            hi_c = types.int32(min(max(hi_r - first, -1), 8 * NT))
             for j in range(NT):
-                word = types.int32(0)  # the row's verdicts on the lane's columns 8 j + 2 t + e
-                if from_bits:
-                    word = verdict_word(mod, slot, row - row_start, 8 * j, t)
                 for e in range(2):
                     key = n_start + 8 * j + 2 * t + e
                     x = s[mi * NT + j, 2 * half + e]
-                    hidden = key < lo_r or key >= hi_r
+                    hidden = 8 * j + e < lo_c or 8 * j + e >= hi_c
                     if not hidden and masked:
-                        if BITS:
-                            hidden = not key_tiles.shown(word, 8 * j, e)
-                        else:
-                            hidden = not visible(b, h, row, key, bh)
+                        hidden = not visible(b, h, row, key, bh)
                     if hidden:
                         x = NEG_INF
-                    elif MODIFIED:
+                    elif USER_SCORES:
                         x = logit(x * scale, b, h, row, key, abs(distance - types.float32(8 * j + e)), bh)
                     s[mi * NT + j, 2 * half + e] = x
 

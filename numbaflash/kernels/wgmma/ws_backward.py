@@ -187,10 +187,10 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
     ZERO, ONE = types.float32(0), types.float32(1)
 
     @device_function
-    def copy_query_tile(smem, base, delta, maps, mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, it):
-        # Query tile it's Q and dO, and its LSE and D, into its stage, landing on the stage's full mbarrier.
+    def copy_query_tile(smem, base, delta, maps, b, h, q_start, it):
+        # Query tile it (head h, from row q_start)'s Q and dO, and its LSE and D, into its stage, landing on the
+        # stage's full mbarrier.
         s = it % STAGES
-        h, q_start = tile_of(mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, it)
         full = base + FULL + s * BARRIER_ELEMENTS
         mbarrier_arrive_expect_tx(smem, full, 2 * 2 * BLOCK_N * D + STATS_BYTES)
         copy_tile(smem, base + Q_AT + s * TILE, full, maps, 0, h, q_start, b, BLOCK_N)
@@ -223,10 +223,12 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
             copy_tile(smem, base + K_AT, base + KV_FULL, maps, 2, hk, key_start, b, BLOCK_M)
             copy_tile(smem, base + V_AT, base + KV_FULL, maps, 3, hk, key_start, b, BLOCK_M)
         for it in range(ntiles):
+            # A block mask's table is read while the consumers finish the stage's last tile.
+            h, q_start = tile_of(mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, it)
             if it >= STAGES:  # the stage's last tile, it - STAGES, is done with
                 freed(it - STAGES)
             if lane == 0:
-                copy_query_tile(smem, base, delta, maps, mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, it)
+                copy_query_tile(smem, base, delta, maps, b, h, q_start, it)
         for it in range(max(ntiles - STAGES, 0), ntiles):  # every consumer's arrivals are met
             freed(it)
 
@@ -280,7 +282,9 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
             wait(smem, base + KV_FULL, 0)
 
             for it in range(ntiles):
+                # A block mask's table is read before the wait (the forward's reason)
                 h, q_start = tile_of(mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, it)
+                full = tile_full(mod, b, hk, key_start, it)
                 bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)
                 stage = it % STAGES
                 at = 2 * stage * TILE  # bytes into the rings
@@ -288,7 +292,7 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
                 wait(smem, base + FULL + stage * BARRIER_ELEMENTS, (it // STAGES) & 1)
 
                 step(smem, descs, at, s, dp, dlogit, p, d_s, dk_acc, dv_acc, stats, st, q_start, warp_key, key_start,
-                     g, t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh, tile_full(mod, b, hk, key_start, it))
+                     g, t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh, full)
                 # The warpgroup's threads read the stage's LSE and D with ordinary loads; each then arrives at
                 # the stage's release barrier, where the producer's warp waits before the copy engine overwrites
                 # the stage. With a barrier of the warpgroup and then one thread's arrival on an empty mbarrier
@@ -355,10 +359,10 @@ def build_dq(D, tiles, storage, mods=NONE):
         copy_tile(smem, base + DO_AT, base + QDO_FULL, maps, 1, h, row_start, b, BLOCK_M)
         for it in range(ntiles):
             s = it % STAGES
+            n_start = tile_start(mod, b, h, row_start, n_base, it)  # a block mask's table read while the stage drains
             wait(smem, base + EMPTY + s * BARRIER_ELEMENTS, ((it // STAGES) & 1) ^ 1)
             full = base + FULL + s * BARRIER_ELEMENTS
             mbarrier_arrive_expect_tx(smem, full, 2 * 2 * BLOCK_N * D)
-            n_start = tile_start(mod, b, h, row_start, n_base, it)
             copy_tile(smem, base + K_AT + s * TILE, full, maps, 2, hk, n_start, b, BLOCK_N)
             copy_tile(smem, base + V_AT + s * TILE, full, maps, 3, hk, n_start, b, BLOCK_N)
 
@@ -409,13 +413,14 @@ def build_dq(D, tiles, storage, mods=NONE):
             wait(smem, base + QDO_FULL, 0)
 
             for it in range(ntiles):
-                n_start = tile_start(mod, b, h, row_start, n_base, it)
+                # A block mask's table is read before the wait (the forward's reason)
+                n_start, full, slot = (tile_start(mod, b, h, row_start, n_base, it), tile_full(mod, b, h, row_start, it),
+                                       tile_slot(mod, b, h, row_start, it))
                 stage = it % STAGES
                 at = 2 * stage * TILE  # bytes into the rings
                 wait(smem, base + FULL + stage * BARRIER_ELEMENTS, (it // STAGES) & 1)
                 step(smem, descs, at, s, dp, d_s, dq_acc, lse2, dsum, lo_r, hi_r, row_start, row_end, warp_row, n_start,
-                     g, t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh, tile_full(mod, b, h, row_start, it),
-                     mod, tile_slot(mod, b, h, row_start, it))
+                     g, t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh, full, mod, slot)
                 release(smem, base + EMPTY + stage * BARRIER_ELEMENTS, ctid)
 
         # dQ = scale dS K with scale = scale_log2 ln(2) (the scale argument with modifications); the rows past

@@ -115,8 +115,8 @@ def build(D, tiles, storage, mods=NONE):
         # Tile `it` of K (which 1) or V (which 2) into its ring stage, once the consumers have emptied it (the
         # first round finds every stage empty): bulk tensor copies with TMA, else the producer's cp.async.
         s, parity = it % STAGES, ((it // STAGES) & 1) ^ 1
+        n_start = tile_start(mod, b, h, row_start, n_base, it)  # a block mask's table read while the stage drains
         wait(smem, base + empty + s * BARRIER_ELEMENTS, parity)
-        n_start = tile_start(mod, b, h, row_start, n_base, it)
         if TMA:
             copy_tile(smem, base + at + s * TILE_N, base + full + s * BARRIER_ELEMENTS, maps, which, hk, n_start, b,
                       BLOCK_N)
@@ -224,7 +224,11 @@ def build(D, tiles, storage, mods=NONE):
             if PINGPONG and wg == CONSUMERS - 1:  # the first warpgroup takes the first turn
                 named_barrier_arrive(TURN, TURN_THREADS)
 
-            # The first tile: its scores alone (no P V yet), then its softmax.
+            # The first tile: its scores alone (no P V yet), then its softmax. A block mask's table is read before
+            # the waits, whose asm orders memory: read after them, each load's latency stood between a tile's S
+            # and its softmax.
+            n_start, full, slot = (tile_start(mod, b, h, row_start, n_base, 0), tile_full(mod, b, h, row_start, 0),
+                                   tile_slot(mod, b, h, row_start, 0))
             wait(smem, base + Q_FULL, 0)
             take(smem, base, K_FULL, 0)
             my_turn(wg)
@@ -234,15 +238,15 @@ def build(D, tiles, storage, mods=NONE):
             next_turn(wg, 0, ntiles)
             wgmma_wait0()
             release(smem, base + K_EMPTY, ctid)
-            softmax_scores(s, m_i, l_i, alpha, b, h, warp_row, g, t, tile_start(mod, b, h, row_start, n_base, 0), row_start,
-                           row_end, seqlen_q, seqlen_k, left, right, scale_log2, bh, tile_full(mod, b, h, row_start, 0),
-                           mod, tile_slot(mod, b, h, row_start, 0))
+            softmax_scores(s, m_i, l_i, alpha, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k,
+                           left, right, scale_log2, bh, full, mod, slot)
             rescale_o(acc, alpha)
             pack(p, s)
 
             # Steady state, with no branch around a wgmma (see v3).
             for it in range(1, ntiles):
-                n_start = tile_start(mod, b, h, row_start, n_base, it)
+                n_start, full, slot = (tile_start(mod, b, h, row_start, n_base, it), tile_full(mod, b, h, row_start, it),
+                                       tile_slot(mod, b, h, row_start, it))
                 take(smem, base, K_FULL, it)
                 take(smem, base, V_FULL, it - 1)
                 my_turn(wg)
@@ -255,8 +259,7 @@ def build(D, tiles, storage, mods=NONE):
                 wgmma_wait1()  # S_it is done; P_{it-1} V_{it-1} may still run under the softmax below
                 release(smem, base + K_EMPTY + (it % STAGES) * BARRIER_ELEMENTS, ctid)
                 softmax_scores(s, m_i, l_i, alpha, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q,
-                               seqlen_k, left, right, scale_log2, bh, tile_full(mod, b, h, row_start, it),
-                               mod, tile_slot(mod, b, h, row_start, it))
+                               seqlen_k, left, right, scale_log2, bh, full, mod, slot)
                 wgmma_wait0()  # O and P are no longer read by the tensor cores
                 release(smem, base + V_EMPTY + ((it - 1) % STAGES) * BARRIER_ELEMENTS, ctid)
                 rescale_o(acc, alpha)
