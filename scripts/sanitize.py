@@ -45,7 +45,8 @@ def grid():
                     numbaflash.attention_backward(dout, q, k, v, out, lse, deterministic=False, plan=atomic_plan(q, k),
                                                   **mask)
                 if dtype == "float16" and d == 64 and hopper:
-                    # The two ping-pong consumers that modified calls run at headdim 64, and headdim 256's v5.
+                    # The two ping-pong consumers that the user's per-score functions run at headdim 64, and
+                    # headdim 256's v5.
                     plan = tiling.make_plan(b, h, hk, nq, nk, d, dtype, tiles=tiling.WGMMA_USER_FUNCTION_TILES[64])
                     numbaflash.attention(q, k, v, plan=plan, **mask)
                     numbaflash.attention(*(cupy.concatenate([x] * 4, axis=-1) for x in (q, k, v)), **mask)
@@ -65,6 +66,12 @@ def grid():
         if dtype == "float16" and hopper:  # the atomic dQ's key pass, with its table
             numbaflash.attention_backward(dout, q, k, v, out, lse, deterministic=False, plan=atomic_plan(q, k),
                                           **modifications)
+        # The built-in modifications and a block mask without the user's per-score functions: at headdim 64,
+        # three consumers (the call above runs two).
+        built_in = dict(softcap=5.0, alibi_slopes=modifications["alibi_slopes"], mod_args=modifications["mod_args"],
+                        block_mask=modifications["block_mask"], causal=True)
+        out, lse = numbaflash.attention(q, k, v, return_lse=True, **built_in)
+        numbaflash.attention_backward(dout, q, k, v, out, lse, **built_in)
         # Packed sequences (varlen), causal, head dims 40 and 64 (on Hopper the wgmma v3 forward, which
         # varlen runs at 64 too): one with no queries, one with no keys, one shorter than a tile; a block
         # reads and writes its own sequence's rows only.
