@@ -293,6 +293,10 @@ def test_the_bits_of_partial_tiles_are_the_mask_where_the_window_shows_it(left, 
     bm = numbaflash.block_mask(same_document_causal, None, None, seqlen_q, seqlen_k, mod_args=(doc,))
     like = numbaflash._arrays.Operand(doc, "numpy", doc.shape, doc.strides, "int32", -1, 0)
     table, bits = (x.obj for x in bm.key_tiles(rows, cols, left, right, like))
+    # The kernels index both as C-contiguous arrays (`kernels.mods.kernel_type`), a dK/dV pass's pair too; the
+    # forwards' and dQ pass's partial tiles read only the bits, so the causal/window mask must be in them.
+    queries = [x.obj for x in bm.query_tiles(cols, rows, left, right, 1, like)]
+    assert all(x.flags.c_contiguous for x in [table, bits] + queries)
     classes = bm.classify(rows, cols)
     want = reference.visible_mask(seqlen_q, seqlen_k, causal=False, window_size=(left, right)) & \
         numbaflash.mods.visible(same_document_causal, (1, 1, seqlen_q, seqlen_k), (doc,))[0, 0]

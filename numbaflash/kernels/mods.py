@@ -42,8 +42,9 @@ from .intrinsics import device_function, tanh_approx
 
 def kernel_type(mods, ACC):
     """The numba type of the ``mod`` argument of a kernel accumulating in ``ACC``."""
-    # A block mask's (table, bits) (`block_sparsity.BlockMask.key_tiles`)
-    members = ([types.Tuple((types.Array(types.int32, 4, "A"), types.Array(types.int32, 3, "A")))]
+    # A block mask's (table, bits) (`block_sparsity.BlockMask.key_tiles`), C-contiguous as it makes them, so that
+    # `key_tiles` indexes them from their shapes with unsigned indices
+    members = ([types.Tuple((types.Array(types.int32, 4, "C"), types.Array(types.int32, 3, "C")))]
                if mods.block_sparse else [])
     members += [types.Array(types.int32, 1, "A")] * 2 if mods.packed else []
     members += ([ACC] if mods.softcap else []) + ([types.Array(types.float32, 2, "A")] if mods.alibi else [])
