@@ -99,9 +99,9 @@ def steps(M, NT, DT, mods=NONE):
         masked = MASKED and not block_full  # a block mask found mask_mod true on the whole tile: no need to ask
         if not masked and masks.tile_is_full(row_start, row_end, n_start, n_start + 8 * NT, seqlen_q, seqlen_k, left,
                                              right):
-            if MODIFIED and (not USER_SCORES or warp_row + 16 * M <= seqlen_q):
-                modify(s, b, h, warp_row, g, t, n_start, seqlen_q, seqlen_k, scale, bh)
-            if not MODIFIED or not USER_SCORES or warp_row + 16 * M <= seqlen_q:
+            if not USER_SCORES or warp_row + 16 * M <= seqlen_q:  # no user function sees a row past the sequence
+                if MODIFIED:
+                    modify(s, b, h, warp_row, g, t, n_start, seqlen_q, seqlen_k, scale, bh)
                 return
         # The built-in modifications read no memory: every score is modified, then the hidden ones are set to
         # -inf. Modified inside the tests below (a test per score), their code kept 140-308 bytes of local
@@ -143,7 +143,7 @@ def steps(M, NT, DT, mods=NONE):
                     key = n_start + 8 * j + 2 * t + e
                     x = s[mi * NT + j, 2 * half + e]
                     hidden = 8 * j + e < lo_c or 8 * j + e >= hi_c
-                    if not hidden and masked:
+                    if not hidden and masked and not BITS:  # with BITS, masked tiles took the branch above
                         hidden = not visible(b, h, row, key, bh)
                     if hidden:
                         x = NEG_INF
