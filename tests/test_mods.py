@@ -444,3 +444,18 @@ def test_explain_names_the_modifications_and_what_the_block_mask_skips():
     backward = numbaflash.explain(Q, Q, Q, block_mask=causal, backward=True)
     assert "tiles of the dK/dV pass and" in backward and "the backward visits only those" in backward
     assert "modified    none" in numbaflash.explain(Q, Q, Q)
+
+
+def test_only_the_users_per_score_functions_keep_headdim_64_at_two_consumers():
+    """softcap, ALiBi and a block mask (whose verdicts the kernels read as bits) plan three consumer warpgroups
+    at headdim 64; a score_mod or a mask_mod without a block mask, called per score, plans two."""
+    from numbaflash.mods import Mods
+
+    three = [Mods(softcap=True), Mods(alibi=True), Mods(mask_mod=same_document_causal, block_sparse=True)]
+    two = [Mods(score_mod=relative_bias), Mods(mask_mod=same_document_causal),
+           Mods(softcap=True, score_mod=relative_bias, mask_mod=same_document_causal, block_sparse=True)]
+    hopper = tiling.Device("H100 (planned)", (9, 0), 132, 227 * 1024)
+    for mods, warpgroups in [(m, 3) for m in three] + [(m, 2) for m in two]:
+        plan = tiling.make_plan(1, 8, 8, 2048, 2048, 64, "float16", device=hopper,
+                                user_functions=mods.per_score_functions)
+        assert plan.tiles.warpgroups == warpgroups, mods.describe()
