@@ -68,6 +68,13 @@ class Mods:
         return self.score_mod is not None or (self.mask_mod is not None and not self.block_sparse)
 
     @property
+    def softcap_alone(self):
+        """softcap without ALiBi or a score_mod: the forwards keep its scores as ``tanh(x / softcap)`` and fold the
+        cap into the softmax's scale (`kernels.softmax`), and at headdim 64 tanh and ex2 per score bound the
+        special-function unit (`tiling.WGMMA_SOFTCAP_TILES`)."""
+        return self.softcap and not self.alibi and self.score_mod is None
+
+    @property
     def user_functions(self):
         """The user's functions, which the disk cache cannot key (their globals may change): such kernels
         are compiled once per process instead."""

@@ -110,7 +110,9 @@ class WgmmaTiles:
     ``block_m`` rows, ``block_n`` keys per streamed tile, K and V each in a ring of ``stages`` tiles; with
     ``producer``, one more warpgroup that only copies tiles (kernel v4, `wgmma.ws_forward`), with ``tma``
     as bulk tensor copies (kernel v5); with ``pingpong``, the consumer warpgroups take turns to issue
-    their products, so one's softmax runs under another's (FlashAttention-3's schedule)."""
+    their products, so one's softmax runs under another's (FlashAttention-3's schedule); ``exp2_fma`` of each
+    row's ``block_n / 8`` 8-key chunks take the softmax's exponentials from a polynomial on the FMA pipe instead
+    of the special-function unit's ex2 (`kernels.softmax.fma_chunk`)."""
 
     block_m: int
     block_n: int
@@ -119,6 +121,7 @@ class WgmmaTiles:
     producer: bool = False
     tma: bool = False
     pingpong: bool = False
+    exp2_fma: int = 0
 
     def __post_init__(self):
         if self.block_m != 64 * self.warpgroups:
@@ -129,6 +132,8 @@ class WgmmaTiles:
             raise ValueError(f"the wgmma kernels run a two-stage K/V ring, a producer's ring 2 to 4 stages; got {self}")
         if self.tma and not self.producer:
             raise ValueError(f"bulk tensor copies (tma) are issued by a producer warpgroup; got {self}")
+        if not 0 <= self.exp2_fma <= self.block_n // 8:
+            raise ValueError(f"exp2_fma counts 8-key chunks of a key tile, 0 to block_n / 8; got {self}")
         if self.pingpong and not (self.producer and self.warpgroups >= 2):
             raise ValueError(f"ping-pong takes turns between two or more consumer warpgroups beside a producer; "
                              f"got {self}")
@@ -234,6 +239,12 @@ WGMMA_TILES = {64: WgmmaTiles(192, 96, 3, producer=True, tma=True, pingpong=True
                128: WgmmaTiles(128, 128, 2, producer=True, tma=True, pingpong=True),
                256: WgmmaTiles(128, 48, 2, producer=True, tma=True, pingpong=True)}
 WGMMA_USER_FUNCTION_TILES = {64: WgmmaTiles(128, 128, 2, producer=True, tma=True, pingpong=True)}
+# softcap alone (`numbaflash.mods.Mods.softcap_alone`) at headdim 64 pays tanh and ex2 per score on the
+# special-function unit, which then bounds the forward: 4 of each row's 12 8-key chunks take their ex2 from
+# the FMA pipe (`ex2_fma`). H200, fp16, N = 16384, 16 heads, stream timing (.bench/fma_sweep.py), softcap's
+# forward over the plain kernel's: 1.41x with none, 1.36x with 3, 1.36x with 4, 1.40x with 6, 1.50x with 8;
+# the plain kernel itself ran 5-36% slower with 3-12 (it is not bound there), and so did headdim 128 softcap.
+WGMMA_SOFTCAP_TILES = {64: dataclasses.replace(WGMMA_TILES[64], exp2_fma=4)}
 WGMMA_CP_ASYNC_TILES = {64: WgmmaTiles(128, 112, 2), 128: WgmmaTiles(128, 64, 2)}
 SIMULATOR_WGMMA_TILES = WgmmaTiles(64, 16, 1)
 # wgmma backward (compute capability 9.0). v5 (`wgmma.ws_backward`): a producer warpgroup's bulk tensor copies
@@ -440,25 +451,26 @@ def _choose(direction, acc, D, acc_bytes, device, smem_of):
 
 
 def make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward=False, device=None, tiles=None,
-              aligned=True, packed=False, user_functions=False, deterministic=True):
+              aligned=True, packed=False, user_functions=False, deterministic=True, softcap_alone=False):
     """The plan for these sizes on ``device`` (default: the current one). ``tiles`` overrides the blocks.
     ``aligned``: whether q, k and v have a contiguous head dim, a multiple of 8, and 16-byte aligned
     strides, as the bulk tensor copy engine needs (`interface.vector_staging`). ``packed``: a varlen call
     (`numbaflash.varlen`) of ``batch`` sequences, the longest ``seqlen_q`` and ``seqlen_k``, which the
     grid covers. ``user_functions``: the forward calls the user's functions per score
-    (`numbaflash.mods.Mods.per_score_functions`).
+    (`numbaflash.mods.Mods.per_score_functions`); ``softcap_alone``: its scores go through softcap's tanh alone
+    (`numbaflash.mods.Mods.softcap_alone`).
     ``deterministic``: a backward whose repeats are bitwise identical; False with v5's ``tiles`` runs its dK/dV
     kernel that accumulates dQ with float32 atomics (`WGMMA_ATOMIC_DQ`), which no plan picks by itself."""
     device = current_device() if device is None else device
     return _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned,
-                      packed, user_functions, deterministic)
+                      packed, user_functions, deterministic, softcap_alone)
 
 
 @functools.lru_cache(maxsize=1024)  # plans are immutable; a model calls attention with few distinct shapes
 def _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned, packed,
-               user_functions, deterministic):
+               user_functions, deterministic, softcap_alone):
     plan = _choose_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned,
-                        packed, user_functions, deterministic)
+                        packed, user_functions, deterministic, softcap_alone)
     if backward and not deterministic and not isinstance(plan.tiles, WgmmaTiles):  # the wgmma plans say their own
         plan = dataclasses.replace(plan, reason=plan.reason + f"; deterministic=False: {plan.kernel} has no atomic "
                                    "dQ, and runs its deterministic passes")
@@ -466,7 +478,7 @@ def _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, bac
 
 
 def _choose_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned, packed,
-                 user_functions, deterministic):
+                 user_functions, deterministic, softcap_alone):
     from .kernels.mma import backward as mma_backward
     from .kernels.simt import backward as simt_backward, forward as simt_forward
 
@@ -481,7 +493,7 @@ def _choose_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, b
         if backward and (isinstance(tiles, WgmmaTiles) or (tiles is None and uses_wgmma_backward(dtype, device, headdim))):
             return _wgmma_backward_plan(shape, device, tiles, aligned, packed, deterministic)
         if not backward and (isinstance(tiles, WgmmaTiles) or (tiles is None and uses_wgmma(dtype, device, headdim))):
-            return _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions)
+            return _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, softcap_alone)
         if not backward:
             return _mma_forward_plan(shape, device, tiles)
         if headdim <= mma_backward.MAX_HEADDIM:
@@ -597,17 +609,21 @@ def _mma_forward_plan(shape, device, tiles, hopper=""):
     return _plan("mma_forward", reason, shape, device, D, tiles, smem, registers)
 
 
-def _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions):
+def _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, softcap_alone):
     from .kernels.wgmma import forward as wgmma_forward, ws_forward as wgmma_ws_forward
 
     D = next(D for D in WGMMA_HEADDIMS if shape["headdim"] <= D)
     copies = ""
     if tiles is None:
         tiles = (SIMULATOR_WGMMA_TILES if device.simulator else
-                 WGMMA_USER_FUNCTION_TILES.get(D, WGMMA_TILES[D]) if user_functions else WGMMA_TILES[D])
+                 WGMMA_USER_FUNCTION_TILES.get(D, WGMMA_TILES[D]) if user_functions else
+                 WGMMA_SOFTCAP_TILES.get(D, WGMMA_TILES[D]) if softcap_alone else WGMMA_TILES[D])
         if user_functions and D in WGMMA_USER_FUNCTION_TILES and not device.simulator:
             copies = (f"; the user's functions called per score: {tiles.warpgroups} consumer warpgroups, whose "
                       f"registers hold them ({WGMMA_TILES[D].warpgroups} spill them)")
+        elif tiles.exp2_fma:
+            copies = (f"; softcap's tanh and the softmax's ex2 bound the special-function unit: {tiles.exp2_fma} of "
+                      f"{tiles.block_n // 8} 8-key chunks take ex2 from a polynomial on the FMA pipe")
         cp_async = ("packed (varlen) sequences, whose rows the bulk tensor copies' tensor maps do not locate"
                     if tiles.producer and packed else
                     "q, k or v has a head dim that is not contiguous, not a multiple of 8 or not 16-byte aligned, "

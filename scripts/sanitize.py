@@ -45,10 +45,11 @@ def grid():
                     numbaflash.attention_backward(dout, q, k, v, out, lse, deterministic=False, plan=atomic_plan(q, k),
                                                   **mask)
                 if dtype == "float16" and d == 64 and hopper:
-                    # The two ping-pong consumers that the user's per-score functions run at headdim 64, and
-                    # headdim 256's v5.
+                    # The two ping-pong consumers that the user's per-score functions run at headdim 64, softcap
+                    # alone's tiles, and headdim 256's v5.
                     plan = tiling.make_plan(b, h, hk, nq, nk, d, dtype, tiles=tiling.WGMMA_USER_FUNCTION_TILES[64])
                     numbaflash.attention(q, k, v, plan=plan, **mask)
+                    numbaflash.attention(q, k, v, softcap=5.0, **mask)  # softcap alone: part of ex2 on the FMA pipe
                     numbaflash.attention(*(cupy.concatenate([x] * 4, axis=-1) for x in (q, k, v)), **mask)
         # Every modification at once, the mask through a block mask (the kernels' tile tables) on one shape:
         # the user's functions read mod_args only at visible, in-bounds indices.

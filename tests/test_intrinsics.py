@@ -6,7 +6,7 @@ import pytest
 from numba import cuda, float32, int32, uint16
 
 from numbaflash.kernels.intrinsics import (SIMULATOR, bulk_load, cp_async_16, cp_async_commit, cp_async_mbarrier_arrive,
-                                           cp_async_wait_all, device_function, ex2, group_max, group_sum, ldmatrix_x4,
+                                           cp_async_wait_all, device_function, ex2, ex2_fma, group_max, group_sum, ldmatrix_x4,
                                            ldmatrix_x4_trans, load4, mbarrier_arrive, mbarrier_arrive_expect_tx,
                                            mbarrier_init, mbarrier_try_wait,
                                            mma_bf16, mma_f16, named_barrier_arrive, named_barrier_sync,
@@ -131,6 +131,38 @@ def test_pack_rounds_to_nearest_and_ex2_rcp_and_tanh_are_their_functions(arrays)
     np.testing.assert_allclose(to_host(e2)[finite], np.exp2(x.astype(np.float64))[finite], rtol=2e-7)  # 2 ulp
     np.testing.assert_allclose(to_host(r), 1 / x.astype(np.float64), rtol=1.2e-7)  # rcp.approx: 1 ulp
     np.testing.assert_allclose(to_host(th), np.tanh(x.astype(np.float64)), rtol=2.0 ** -10.9)  # tanh.approx
+
+
+@cuda.jit
+def ex2_fma_kernel(x, y):
+    i = cuda.grid(1)
+    if i < x.shape[0]:
+        y[i] = ex2_fma(x[i])
+
+
+def test_ex2_fma_is_2_to_the_x_within_its_bound_and_0_below_minus_127(arrays, mode):
+    """The softmax's exponentials on the FMA pipe (`kernels.softmax.fma_chunk`): relative error at most 2^-13.4
+    (`intrinsics.polynomials`) on [-126, 0], the softmax's exponents; integers exact; -127 and below (a hidden
+    score's -inf) exactly 0; NaN stays NaN. On a GPU the hardware also matches the emulation, step by step."""
+    from numbaflash.kernels.intrinsics import emulated
+
+    to_device, to_host = arrays
+    rng = np.random.default_rng(2)
+    x = np.concatenate([-rng.exponential(4.0, 2000), -rng.uniform(0, 1e-6, 48), np.arange(-126, 1), [-1e-30, 0.0],
+                        [-126.5, -127, -127.5, -300, -np.inf, np.nan]]).astype(np.float32)
+    y = to_device(np.zeros_like(x))
+    ex2_fma_kernel[(x.size + 127) // 128, 128](to_device(x), y)
+    y = to_host(y)
+    normal = x >= -126
+    want = np.exp2(x[normal].astype(np.float64))
+    error = np.abs(y[normal] / want - 1)
+    assert error.max() <= 2.0 ** -13.4, f"max relative error {error.max():.3g}, mean {error.mean():.3g}"
+    integers = np.arange(-126, 1)
+    np.testing.assert_array_equal(y[2048:2048 + integers.size], np.exp2(integers).astype(np.float32))
+    assert (y[-6:-1] == 0).all() and np.isnan(y[-1])
+    if mode == "gpu":  # the emulation the simulator runs is the hardware's arithmetic (ties aside: 1 ulp)
+        emulated_y = np.array([emulated.ex2_fma(v) for v in x], np.float32)
+        np.testing.assert_array_max_ulp(y[~np.isnan(x)], emulated_y[~np.isnan(x)], maxulp=1)
 
 
 @cuda.jit

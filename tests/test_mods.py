@@ -3,7 +3,8 @@
 Three combinations cover flash-attn's built-ins and FlexAttention-style user functions, each against the
 float64 reference extended with the same modifications, under flash-attn's tolerance rule:
 
-* built-ins: softcap with causal, and ALiBi slopes per (batch, head);
+* built-ins: softcap with causal, and ALiBi slopes per (batch, head); softcap alone with causal, whose
+  forwards keep tanh scores;
 * user functions reading ``mod_args``: a relative-position bias table (score_mod, derivative 1) and a
   document mask built from document ids, with query documents that no key belongs to (rows that see no
   key: out 0, LSE -inf);
@@ -124,6 +125,19 @@ def test_wgmma_backward_at_headdim_128_forms_ds_with_p(arrays, poisoned):
         assert plan.headdim_padded == 128
         check_backward(case, numbaflash.attention, lambda *a, **kw: numbaflash.attention_backward(*a, plan=plan, **kw),
                        *arrays)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_softcap_alone_with_causal(family, arrays, poisoned):
+    """softcap without ALiBi or a score_mod: the tensor-core forwards keep its scores as tanh(x / softcap) and
+    fold the cap into the softmax's scale (`numbaflash.mods.Mods.softcap_alone`), with part or all of the
+    exponentials on the FMA pipe in ``exp2_fma`` tiles; then the backward from their LSE."""
+    dtype, tiles = FAMILIES[family]
+    case = Case(BATCH, SEQLEN_Q, SEQLEN_K, NHEADS, NHEADS_KV, HEADDIM, dtype, causal=True, logit_scale=2.0, seed=6,
+                modifications=dict(softcap=1.5))
+    check_forward(case, forward_of(case, tiles), *arrays)
+    if family == "mma":
+        check_backward(case, numbaflash.attention, numbaflash.attention_backward, *arrays)
 
 
 def test_full_tiles_modify_every_score_without_masking(arrays, poisoned):
@@ -459,3 +473,26 @@ def test_only_the_users_per_score_functions_keep_headdim_64_at_two_consumers():
         plan = tiling.make_plan(1, 8, 8, 2048, 2048, 64, "float16", device=hopper,
                                 user_functions=mods.per_score_functions)
         assert plan.tiles.warpgroups == warpgroups, mods.describe()
+
+
+def test_softcap_alone_at_headdim_64_takes_part_of_its_exponentials_from_the_fma_pipe():
+    """softcap alone pays tanh and ex2 per score on the special-function unit: at headdim 64 its forward plans
+    `tiling.WGMMA_SOFTCAP_TILES` and says why; with ALiBi, at headdim 128 or in the backward it does not."""
+    from numbaflash.mods import Mods
+
+    hopper = tiling.Device("H100 (planned)", (9, 0), 132, 227 * 1024)
+
+    def plan(mods, headdim=64, backward=False):
+        return tiling.make_plan(1, 8, 8, 2048, 2048, headdim, "float16", device=hopper, backward=backward,
+                                user_functions=mods.per_score_functions, softcap_alone=mods.softcap_alone)
+
+    capped = plan(Mods(softcap=True))
+    assert capped.tiles == tiling.WGMMA_SOFTCAP_TILES[64] and capped.tiles.exp2_fma > 0
+    assert f"{capped.tiles.exp2_fma} of 12 8-key chunks take ex2 from a polynomial on the FMA pipe" in capped.reason
+    assert Mods(softcap=True, mask_mod=same_document_causal, block_sparse=True).softcap_alone
+    for other in (plan(Mods(softcap=True, alibi=True)), plan(Mods(softcap=True), headdim=128),
+                  plan(Mods(softcap=True, score_mod=relative_bias)), plan(Mods())):
+        assert other.tiles.exp2_fma == 0 and "FMA pipe" not in other.reason
+    assert plan(Mods(softcap=True), backward=True).tiles.exp2_fma == 0
+    with pytest.raises(ValueError, match="exp2_fma counts 8-key chunks"):
+        tiling.WgmmaTiles(64, 16, 1, exp2_fma=3)

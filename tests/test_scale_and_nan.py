@@ -21,6 +21,8 @@ FAMILIES = {
     "mma": ("float16", SIMULATOR_MMA_TILES),
     "wgmma v3": ("float16", SIMULATOR_WGMMA_TILES),
     "wgmma v5": ("float16", WgmmaTiles(64, 16, 1, producer=True, tma=True)),
+    # every exponential of a score on the FMA pipe (`ex2_fma`), as part of them run with softcap at headdim 64
+    "wgmma v5, ex2 on FMA": ("float16", WgmmaTiles(64, 16, 1, producer=True, tma=True, exp2_fma=2)),
 }
 
 

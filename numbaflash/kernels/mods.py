@@ -24,6 +24,8 @@ reaches the user's function: ``mask_mod`` and ``score_mod`` see only indices ins
   a score ``x`` in the kernel's units (``s * scale`` with the kernel's scale argument): ``(x, 1)`` without
   modifications, where ``x`` already is a base-2 logit.
 * ``visible(b, h, row, key, bh)``: ``mask_mod``'s verdict (True without one).
+* ``cap(bh)``: softcap's ``(cap, 1 / cap)`` (``(1, 1)`` without), for kernels that keep softcap's scores as
+  ``tanh(x / cap)`` and fold the cap into the softmax's scale.
 * ``natural(x)``: ``x`` times what turns the kernel's scale units into natural ones: ln(2) without
   modified scores, 1 with (the backwards' dK = natural(scale) dS^T Q). A mask_mod alone keeps the plain
   kernel's units: it only hides scores.
@@ -68,6 +70,7 @@ class Modifiers(NamedTuple):
     logit2: object
     visible: object
     natural: object
+    cap: object
 
 
 _REGISTERED = set()
@@ -113,10 +116,18 @@ def modifiers(mods, ACC, fast=False):
         def softcap(x, bh):
             t = tanh(x * bh[1])
             return bh[0] * t, ONE - t * t
+
+        @device_function
+        def cap(bh):
+            return bh[0], bh[1]
     else:
         @device_function
         def cap_values(mod):
             return ()
+
+        @device_function
+        def cap(bh):
+            return ONE, ONE
 
         @device_function
         def softcap(x, bh):
@@ -208,4 +219,4 @@ def modifiers(mods, ACC, fast=False):
     def natural(x):
         return x if MODIFIED else x * LN2
 
-    return Modifiers(MODIFIED, MASKED, prepare, logit, logit2, visible, natural)
+    return Modifiers(MODIFIED, MASKED, prepare, logit, logit2, visible, natural, cap)

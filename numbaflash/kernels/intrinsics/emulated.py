@@ -10,6 +10,7 @@ import ml_dtypes
 import numpy as np
 
 from .exchange import exchange, group_result
+from .polynomials import EX2_FMA_COEFFICIENTS
 
 _registry_lock = threading.Lock()
 
@@ -123,6 +124,21 @@ def pack_bf16(lo, hi):
 
 def ex2(x):
     return np.float32(np.exp2(np.float32(x)))
+
+def ex2_fma(x):
+    # ptx.ex2_fma step by step: float64 Horner steps round like fma.rn (a float32 product is exact in float64)
+    # but for the rare double rounding of a tie.
+    x = np.maximum(np.float32(x), np.float32(-127))
+    if not np.isfinite(x):
+        return np.float32(np.nan)
+    floor = np.floor(x)
+    f = np.float64(np.float32(x - floor))
+    c1, c2, c3 = (np.float64(np.float32(c)) for c in EX2_FMA_COEFFICIENTS)
+    p = np.float32(f * c3 + c2)
+    p = np.float32(np.float64(p) * f + c1)
+    p = np.float32(np.float64(p) * f + 1.0)
+    power = np.uint32(((int(floor) + 127) << 23) & 0xFFFFFFFF).view(np.float32)
+    return np.float32(p * power)
 
 def rcp(x):
     with np.errstate(divide="ignore"):

@@ -4,11 +4,13 @@ Their simulator emulations, with the same names and semantics, are in `emulated`
 ``__init__`` picks one module or the other.
 """
 
+import numpy as np
 from llvmlite import ir
 from numba import cuda, types
 from numba.cuda import cgutils
 from numba.cuda.extending import intrinsic
 
+from .polynomials import EX2_FMA_COEFFICIENTS
 from .target import device_function
 
 @device_function
@@ -171,13 +173,13 @@ def _pack(kind):
 pack_f16 = _pack("f16")
 pack_bf16 = _pack("bf16")
 
-def _unary_f32(instruction):
+def _unary_f32(template):
     @intrinsic
     def unary(typingctx, x):
         sig = types.float32(types.float32)
 
         def codegen(context, builder, signature, args):
-            return _asm(builder, [ir.FloatType()], ir.FloatType(), f"{instruction} $0, $1;", "=f,f",
+            return _asm(builder, [ir.FloatType()], ir.FloatType(), template, "=f,f",
                         [context.cast(builder, args[0], signature.args[0], types.float32)], False)
 
         return sig, codegen
@@ -185,9 +187,28 @@ def _unary_f32(instruction):
     return unary
 
 
-ex2 = _unary_f32("ex2.approx.ftz.f32")
-rcp = _unary_f32("rcp.approx.ftz.f32")
-tanh_approx = _unary_f32("tanh.approx.f32")
+ex2 = _unary_f32("ex2.approx.ftz.f32 $0, $1;")
+rcp = _unary_f32("rcp.approx.ftz.f32 $0, $1;")
+tanh_approx = _unary_f32("tanh.approx.f32 $0, $1;")
+
+def _f32_hex(value):
+    return "0f%08X" % np.float32(value).view(np.uint32)
+
+
+_C1, _C2, _C3 = (_f32_hex(c) for c in EX2_FMA_COEFFICIENTS)
+ex2_fma = _unary_f32(
+    "{ .reg .f32 x, t, j, f, p, e; .reg .b32 tb;\n"
+    "max.NaN.f32 x, $1, 0fC2FE0000;\n"  # at least -127 (2^-127 becomes 0 below); NaN stays NaN
+    "add.rm.f32 t, x, 0f4B40007F;\n"  # 1.5 x 2^23 + 127 + floor(x): 127 + floor(x) in the low mantissa bits
+    "sub.f32 j, t, 0f4B40007F;\n"
+    "sub.f32 f, x, j;\n"
+    f"fma.rn.f32 p, f, {_C3}, {_C2};\n"
+    f"fma.rn.f32 p, p, f, {_C1};\n"
+    "fma.rn.f32 p, p, f, 0f3F800000;\n"  # 2^f
+    "mov.b32 tb, t;\n"
+    "shl.b32 tb, tb, 23;\n"  # the exponent field 127 + floor(x): 2^floor(x), 0 for -127
+    "mov.b32 e, tb;\n"
+    "mul.f32 $0, p, e; }")
 
 @intrinsic
 def float_bits(typingctx, x):

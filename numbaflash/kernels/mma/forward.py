@@ -118,7 +118,7 @@ def build(D, tiles, storage, mods=NONE):
 
             mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale_log2, bh,
                  tile_full(mod, b, h, row_start, it), mod, tile_slot(mod, b, h, row_start, it))
-            online_softmax(s, m_i, l_i, alpha, scale_log2)
+            online_softmax(s, m_i, l_i, alpha, scale_log2, bh)
             rescale_o(acc, alpha)
             accumulate(acc, s, frag, smem, v_base + t_off)  # O += P V, P rounded to 16 bits
             cuda.syncthreads()  # this stage is free for the copy issued at the top of the next iteration
@@ -128,6 +128,6 @@ def build(D, tiles, storage, mods=NONE):
         finish(l_i, inv)
         for mi in range(M):
             write_out(out, b, warp_row + 16 * mi, h, acc, mi, inv[2 * mi], inv[2 * mi + 1], g, t)
-        write_lse(lse, b, h, warp_row, g, t, m_i, l_i, scale_log2)
+        write_lse(lse, b, h, warp_row, g, t, m_i, l_i, scale_log2, bh)
 
     return attention_forward_mma, TENSOR_CORE_FORWARD + (kernel_type(mods, types.float32),)

@@ -52,7 +52,7 @@ def build(D, tiles, storage, mods=NONE):
     scores, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage)
     pack = pack_p(BLOCK_N, storage)
     prepare = modifiers(mods, types.float32, fast=True).prepare
-    start, mask, online_softmax, rescale_o, finish, write_lse = steps(1, NT, DT, mods)
+    start, mask, online_softmax, rescale_o, finish, write_lse = steps(1, NT, DT, mods, tiles.exp2_fma)
     tile_count, tile_start, tile_full = key_tiles(mods, BLOCK_M, BLOCK_N)
     tile_slot = verdict_slot(mods, BLOCK_M)
     SPARSE = mods.block_sparse
@@ -81,7 +81,7 @@ def build(D, tiles, storage, mods=NONE):
         # mask -> online softmax (while the previous P V may still run) -> rescale O -> P for the next P V
         mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale_log2, bh,
              block_full, mod, slot)
-        online_softmax(s, m_i, l_i, alpha, scale_log2)
+        online_softmax(s, m_i, l_i, alpha, scale_log2, bh)
         wgmma_wait0()  # O and P are no longer read by the tensor cores
         rescale_o(acc, alpha)
         pack(p, s)
@@ -169,6 +169,6 @@ def build(D, tiles, storage, mods=NONE):
         inv = cuda.local.array(2, types.float32)
         finish(l_i, inv)
         write_out(out, b, warp_row, h, acc, 0, inv[0], inv[1], g, t)
-        write_lse(lse, b, h, warp_row, g, t, m_i, l_i, scale_log2)
+        write_lse(lse, b, h, warp_row, g, t, m_i, l_i, scale_log2, bh)
 
     return attention_forward_wgmma, TENSOR_CORE_FORWARD + (kernel_type(mods, types.float32),)
