@@ -229,8 +229,10 @@ SIMULATOR_MMA_TILES = MmaTiles(32, 16, 1, 2)
 # apply to every score before the mask (`kernels.softmax`; before that, at 152 registers, ptxas 13.0 kept
 # 164-432 bytes of local memory). The user's per-score functions (a score_mod, or a mask_mod without a block
 # mask's bits) still spill in three (72-164 bytes): such calls at headdim 64 run two (WGMMA_USER_FUNCTION_TILES).
-# Inputs the copy engine cannot read (`make_plan`'s ``aligned``) and packed sequences run v3 with cp.async
-# (WGMMA_CP_ASYNC_TILES); at headdim 256, which v3 has no tiles for, mma.sync (on the simulator too).
+# Inputs the copy engine cannot read (`make_plan`'s ``aligned``) run v3 with cp.async (WGMMA_CP_ASYNC_TILES);
+# at headdim 256, which v3 has no tiles for, mma.sync (on the simulator too). Packed (varlen) sequences run
+# v5 too: its tensor maps span the packed operands (`wgmma.ws_forward`); before, they ran v3, and varlen ran
+# 0.50-0.57x the same tokens as a batch at equal lengths (H200, scripts/bench_varlen.py).
 # Head dims up to 32 stay on mma.sync, whose 16- and 32-wide buckets pad less than wgmma's 64-wide atoms.
 # On the simulator one warpgroup and 16-key tiles, the smallest wgmma.
 WGMMA_HEADDIMS = (64, 128, 256)
@@ -624,9 +626,7 @@ def _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, s
         elif tiles.exp2_fma:
             copies = (f"; softcap's tanh and the softmax's ex2 bound the special-function unit: {tiles.exp2_fma} of "
                       f"{tiles.block_n // 8} 8-key chunks take ex2 from a polynomial on the FMA pipe")
-        cp_async = ("packed (varlen) sequences, whose rows the bulk tensor copies' tensor maps do not locate"
-                    if tiles.producer and packed else
-                    "q, k or v has a head dim that is not contiguous, not a multiple of 8 or not 16-byte aligned, "
+        cp_async = ("q, k or v has a head dim that is not contiguous, not a multiple of 8 or not 16-byte aligned, "
                     "which the bulk tensor copy engine cannot read" if tiles.tma and not aligned else "")
         if (cp_async or not tiles.producer) and D not in WGMMA_CP_ASYNC_TILES:
             why = cp_async or "the simulator's wgmma plans run v3 (one warpgroup)"
@@ -637,9 +637,9 @@ def _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, s
             copies = f"; {cp_async}: v3 copies with cp.async"
     else:
         check_copy_engine(tiles, aligned)
-        if tiles.producer and packed:
-            raise ValueError(f"{tiles}: the producer-warpgroup kernels (v4, v5) do not take packed (varlen) "
-                             "sequences: v5's tensor maps do not locate their rows; use v3's tiles (no producer)")
+        if tiles.producer and not tiles.tma and packed:
+            raise ValueError(f"{tiles}: v4 (a producer without tma) does not take packed (varlen) sequences; v5 "
+                             "(tma=True) and v3 (no producer) do")
     smem = ((wgmma_ws_forward if tiles.producer else wgmma_forward).smem_bytes(D, tiles),)
     _check_smem("forward", smem, shape, device)
     registers = 4 * (tiles.block_m * D + tiles.block_m * tiles.block_n + 2 * tiles.block_m)

@@ -92,8 +92,10 @@ def check_sequences(cases, results, cu, to_device, backward):
 
 
 # The simulator runs the CUDA cores and mma.sync forward and backward (the two backward families) with a
-# combination each, and the wgmma forward (v3; v5's bulk tensor copies do not take packed sequences) plain.
-SIMULATED = [("simt", "softcap, ALiBi", True), ("mma", "bias table, documents", False), ("wgmma v3", None, True)]
+# combination each, and the wgmma forwards plain (v3) and with a combination (v5, whose tensor maps span the
+# packed operands).
+SIMULATED = [("simt", "softcap, ALiBi", True), ("mma", "bias table, documents", False), ("wgmma v3", None, True),
+             ("wgmma v5", "bias table, documents", True)]
 
 
 @pytest.mark.parametrize("family, name, causal", SIMULATED)
@@ -104,22 +106,40 @@ def test_each_sequence_equals_its_own_problem(family, name, causal, arrays, pois
     check_sequences(cases, results, cu, arrays[0], backward)
 
 
-# At real sizes every family with the production tiles, many sequences of odd lengths.
-GPU_FAMILIES = {"simt": ("float32", 64), "mma": ("float16", 256), "wgmma v3": ("float16", 128),
-                "wgmma v3 (d64)": ("bfloat16", 64)}
+@pytest.mark.parametrize("family", ["wgmma v3", "wgmma v5"])
+def test_a_sequence_never_reads_the_next_ones_values(family, arrays, poisoned):
+    """Sequence 0's last key tile reaches into sequence 1's rows (v5's tensor maps span the packed operands):
+    an inf in sequence 1's V must not reach sequence 0's output, where P's zeros times it would be NaN."""
+    to_device, to_host = arrays
+    dtype, tiles = FAMILIES[family]
+    cases, (q, k, v, dout), cu, _ = packed_problem(dtype, None, False)
+    assert cu[1][1] % tiles.block_n, "sequence 0 must end inside a key tile"
+    v[cu[1][1]:cu[1][2]] = np.inf
+    lengths = (len(cu[0]) - 1, int(np.diff(cu[0]).max()), int(np.diff(cu[1]).max()))
+    plan = tiling.make_plan(lengths[0], NHEADS, NHEADS_KV, *lengths[1:], HEADDIM, dtype, tiles=tiles, packed=True)
+    out, lse = numbaflash.attention_varlen(*(to_device(x) for x in (q, k, v, *cu)), *lengths[1:], return_lse=True,
+                                           plan=plan, softmax_scale=cases[0].scale)
+    rows = slice(cu[0][0], cu[0][1])
+    forward = (to_host(out)[None, rows], to_host(lse)[None, :, rows])
+    check_forward(cases[0], lambda *a, **kw: forward, lambda x: x, lambda x: x)
+
+
+# At real sizes every family (the production tiles, or v3's), many sequences of odd lengths.
+GPU_FAMILIES = {"simt": ("float32", 64, None), "mma": ("float16", 256, None), "wgmma v5": ("float16", 128, None),
+                "wgmma v5 (d64)": ("bfloat16", 64, None), "wgmma v3": ("float16", 128, tiling.WGMMA_CP_ASYNC_TILES[128])}
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", GPU_FAMILIES)
 @pytest.mark.parametrize("name", ["softcap, ALiBi", "prefix LM, softcap, temperature"])
 def test_each_sequence_equals_its_own_problem_at_real_sizes(family, name, arrays, poisoned):
-    dtype, headdim = GPU_FAMILIES[family]
+    dtype, headdim, tiles = GPU_FAMILIES[family]
     rng = np.random.default_rng(22)
     seqlens_q = tuple(int(n) for n in rng.integers(1, 700, 9)) + (0, 1500)
     seqlens_k = tuple(int(n) for n in rng.integers(1, 700, 9)) + (300, 1200)
     backward = headdim <= 128 or family == "simt"
-    cases, results, cu = run(dtype, name, name == "softcap, ALiBi", *arrays, backward=backward, seqlens_q=seqlens_q,
-                             seqlens_k=seqlens_k, headdim=headdim)
+    cases, results, cu = run(dtype, name, name == "softcap, ALiBi", *arrays, tiles=tiles, backward=backward,
+                             seqlens_q=seqlens_q, seqlens_k=seqlens_k, headdim=headdim)
     check_sequences(cases, results, cu, arrays[0], backward)
 
 
@@ -160,6 +180,5 @@ def test_bad_varlen_backward_arguments_are_refused():
         numbaflash.attention_varlen_backward(out, q, k, v, out, lse[None], *cu, 4, 5)
     with pytest.raises(ValueError, match="dout must match q"):
         numbaflash.attention_varlen_backward(out[:-1], q, k, v, out, lse, *cu, 4, 5)
-    for producer in (FAMILIES["wgmma v5"][1], tiling.WgmmaTiles(64, 16, 1, producer=True)):
-        with pytest.raises(ValueError, match="do not take packed"):
-            tiling.make_plan(2, 2, 1, 4, 5, 64, "float16", tiles=producer, packed=True)
+    with pytest.raises(ValueError, match="v4 \\(a producer without tma\\) does not take packed"):
+        tiling.make_plan(2, 2, 1, 4, 5, 64, "float16", tiles=tiling.WgmmaTiles(64, 16, 1, producer=True), packed=True)

@@ -25,8 +25,13 @@ BOX_COLUMNS = 64  # one swizzle atom: 128 bytes of 16-bit elements
 
 
 def spec(op, rows):
-    """What a map of operand ``op`` (an `_arrays.Operand`) with boxes of ``rows`` rows depends on."""
-    return (op.ptr, tuple(op.shape), tuple(op.strides), rows)
+    """What a map of operand ``op`` (an `_arrays.Operand`) with boxes of ``rows`` rows depends on. A packed
+    (varlen) operand's stride-0 batch axis (`kernels.sequences`) is one batch element: its kernels address
+    rows of the whole packed array, at batch index 0."""
+    shape, strides = tuple(op.shape), tuple(op.strides)
+    if strides[0] == 0:
+        shape, strides = (1,) + shape[1:], (shape[1] * strides[1],) + strides[1:]
+    return (op.ptr, shape, strides, rows)
 
 
 def maps(ops_and_rows):

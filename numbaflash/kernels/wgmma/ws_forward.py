@@ -42,15 +42,17 @@ from ..intrinsics import (cp_async_mbarrier_arrive, cp_async_wait_all, device_fu
 from ..fragments import fragment_writer
 from ..key_tiles import key_tiles, verdict_slot
 from ..mods import kernel_type, modifiers
+from ..sequences import sequences
 from ..softmax import steps
 from . import tensor_maps
 from .forward import layout
 from .pipeline import BARRIER_ELEMENTS, PRODUCER, REGISTERS, bulk_copier, release, wait
-from .tiles import ALIGN, advance, aligned_base, descriptors, pack_p, products, stager
+from .tiles import ALIGN, ATOM, advance, aligned_base, descriptors, pack_p, products, stager
 
 # Ping-pong: consumer warpgroup w waits on named barrier TURN + w before it issues a tile's products and
 # then arrives on the next one's; each barrier completes with the waiting warpgroup and the arriving one.
 TURN, TURN_THREADS = 1, 256
+TAIL = 15  # the named barrier of the producer warp that zeroes a packed sequence's last V tile (`zero_tail`)
 
 
 def tensor_map_args(q, k, v, tiles):
@@ -61,8 +63,8 @@ def tensor_map_args(q, k, v, tiles):
 
 
 def barriers(tiles):
-    """mbarriers of a block: Q full; K full, V full, K empty, V empty per stage."""
-    return 1 + 4 * tiles.stages
+    """mbarriers of a block: Q full; K full, V full, K empty, V empty per stage; a packed sequence's last V tile."""
+    return 1 + 4 * tiles.stages + 1
 
 
 def smem_bytes(D, tiles):
@@ -78,10 +80,14 @@ def build(D, tiles, storage, mods=NONE):
     Q_AT, K_AT, V_AT, BAR_AT = layout(D, tiles)
     Q_FULL, K_FULL, V_FULL = BAR_AT, BAR_AT + BARRIER_ELEMENTS, BAR_AT + (1 + STAGES) * BARRIER_ELEMENTS
     K_EMPTY, V_EMPTY = BAR_AT + (1 + 2 * STAGES) * BARRIER_ELEMENTS, BAR_AT + (1 + 3 * STAGES) * BARRIER_ELEMENTS
+    V_TAIL = BAR_AT + (1 + 4 * STAGES) * BARRIER_ELEMENTS
     TILE_N = BLOCK_N * D  # elements of one K or V stage
     TMA, PINGPONG = tiles.tma, tiles.pingpong
-    if mods.packed:  # v5's tensor maps address the whole packed operands; v4, which could, runs in no plan
-        raise ValueError(f"{tiles}: the producer-warpgroup kernels do not take packed (varlen) sequences")
+    PACKED = mods.packed
+    if PACKED and not TMA:  # v4 runs in no plan, and no test runs it on packed sequences
+        raise ValueError(f"{tiles}: v4 (a producer without tma) does not take packed (varlen) sequences")
+    sequence = sequences(mods)
+    ATOMS = D // ATOM
     FULL_ARRIVALS = 1 if TMA else PRODUCER  # one thread issues the bulk copies; every copier arrives otherwise
     stage_q, stage_kv = stager(D, BLOCK_M, PRODUCER), stager(D, BLOCK_N, PRODUCER)
     scores, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage)
@@ -111,41 +117,85 @@ def build(D, tiles, storage, mods=NONE):
         copy_bulk(smem, dst, full, maps, which, head, row, b, rows)
 
     @device_function
-    def load_tile(smem, base, at, full, empty, it, src, maps, which, mod, b, h, hk, row_start, n_base, tid, vec):
+    def starts(mod):
+        # A packed sequence's first query row and key in the packed operands, which its tensor maps address.
+        if PACKED:
+            q_start, _, k_start, _ = sequence(mod, cuda.blockIdx.z)
+            return q_start, k_start
+        return 0, 0
+
+    @device_function
+    def tail(n_start, seqlen_k, which):
+        # A packed sequence's V tile that reaches past the sequence: the tensor map spans the packed operand, so
+        # its last rows are the next sequence's, and P's zeros times an inf or NaN there would reach this one's
+        # output. It lands on a barrier of the producer's own and its extra rows are zeroed (`zero_tail`) before
+        # the consumers' full barrier completes. K's extra rows need nothing: the mask overwrites their scores.
+        return PACKED and TMA and which == 2 and n_start + BLOCK_N > seqlen_k
+
+    @device_function
+    def load_tile(smem, base, at, full, empty, it, src, maps, which, mod, b, h, hk, row_start, n_base, tid, vec,
+                  k_start, seqlen_k):
         # Tile `it` of K (which 1) or V (which 2) into its ring stage, once the consumers have emptied it (the
         # first round finds every stage empty): bulk tensor copies with TMA, else the producer's cp.async.
         s, parity = it % STAGES, ((it // STAGES) & 1) ^ 1
         n_start = tile_start(mod, b, h, row_start, n_base, it)  # a block mask's table read while the stage drains
         wait(smem, base + empty + s * BARRIER_ELEMENTS, parity)
         if TMA:
-            copy_tile(smem, base + at + s * TILE_N, base + full + s * BARRIER_ELEMENTS, maps, which, hk, n_start, b,
-                      BLOCK_N)
+            # a packed operand's map is one sequence of all the rows (`tensor_maps.spec`): its batch index is 0
+            landed_on = base + (V_TAIL if tail(n_start, seqlen_k, which) else full + s * BARRIER_ELEMENTS)
+            copy_tile(smem, base + at + s * TILE_N, landed_on, maps, which, hk, k_start + n_start,
+                      0 if PACKED else b, BLOCK_N)
         else:
             stage_kv(smem, base + at + s * TILE_N, src, b, n_start, hk, tid, vec)
             landed(smem, base + full + s * BARRIER_ELEMENTS, vec)
 
     @device_function
-    def produce(smem, base, q, k, v, maps, mod, b, h, hk, row_start, n_base, ntiles, tid, vec):
+    def zero_tail(smem, base, words, it, n_start, seqlen_k, lane):
+        # The producer's first warp zeroes the rows of V's last tile past the sequence (`tail`), 8 bytes a store
+        # (``words`` views the same shared memory as uint64), then releases it to the consumers.
+        s = it % STAGES
+        wait(smem, base + V_TAIL, 0)  # one tail per block
+        first = base + V_AT + s * TILE_N  # in 16-bit elements, a multiple of 4
+        for a in range(ATOMS):  # each row is one 128-byte line of each swizzle atom, whatever the swizzle
+            start, end = (first + a * BLOCK_N * ATOM + (seqlen_k - n_start) * ATOM) // 4, \
+                (first + (a + 1) * BLOCK_N * ATOM) // 4
+            for i in range(start + lane, end, 32):
+                words[i] = types.uint64(0)
+        fence_proxy_async()  # written through the generic proxy, read by wgmma through the async one
+        named_barrier_sync(TAIL, 32)
+        if lane == 0:
+            mbarrier_arrive(smem, base + V_FULL + s * BARRIER_ELEMENTS)
+
+    @device_function
+    def produce(smem, words, base, q, k, v, maps, mod, b, h, hk, row_start, n_base, ntiles, tid, vec, seqlen_k):
         # K runs one tile ahead of V, the order the consumers read them in (S_it with P_{it-1} V_{it-1}):
         # V_it waits for P_{it-2} V_{it-2} to release its stage, and K_{it+1} issued after it would wait too.
         # In the order K, V, K, V the consumers' wait for K took 26% of the warps' stall samples (ncu, d128).
-        if TMA and tid != 0:
-            return  # one thread issues the bulk copies
-        if TMA:
-            for which in range(3):  # Q, K, V
-                tensormap_acquire(maps, which)
-            copy_tile(smem, base + Q_AT, base + Q_FULL, maps, 0, h, row_start, b, BLOCK_M)
-        else:
-            stage_q(smem, base + Q_AT, q, b, row_start, h, tid, vec)
-            landed(smem, base + Q_FULL, vec)
-        for it in range(-1, ntiles):
-            if it + 1 < ntiles:
-                load_tile(smem, base, K_AT, K_FULL, K_EMPTY, it + 1, k, maps, 1, mod, b, h, hk, row_start, n_base, tid,
-                          vec)
-            if it >= 0:
-                load_tile(smem, base, V_AT, V_FULL, V_EMPTY, it, v, maps, 2, mod, b, h, hk, row_start, n_base, tid, vec)
+        if TMA and tid >= (32 if PACKED else 1):
+            return  # one thread issues the bulk copies (a packed sequence's tail takes its warp)
+        q_start, k_start = starts(mod)
+        if tid == 0 or not TMA:
+            if TMA:
+                for which in range(3):  # Q, K, V
+                    tensormap_acquire(maps, which)
+                copy_tile(smem, base + Q_AT, base + Q_FULL, maps, 0, h, q_start + row_start, 0 if PACKED else b,
+                          BLOCK_M)
+            else:
+                stage_q(smem, base + Q_AT, q, b, row_start, h, tid, vec)
+                landed(smem, base + Q_FULL, vec)
+            for it in range(-1, ntiles):
+                if it + 1 < ntiles:
+                    load_tile(smem, base, K_AT, K_FULL, K_EMPTY, it + 1, k, maps, 1, mod, b, h, hk, row_start, n_base,
+                              tid, vec, k_start, seqlen_k)
+                if it >= 0:
+                    load_tile(smem, base, V_AT, V_FULL, V_EMPTY, it, v, maps, 2, mod, b, h, hk, row_start, n_base,
+                              tid, vec, k_start, seqlen_k)
         if not TMA:
             cp_async_wait_all()  # leave only once every copy has landed
+        elif PACKED:
+            last = tile_start(mod, b, h, row_start, n_base, ntiles - 1)
+            if tail(last, seqlen_k, 2):
+                zero_tail(smem, base, words, ntiles - 1, last, seqlen_k, tid)
 
     @device_function
     def my_turn(wg):
@@ -177,23 +227,29 @@ def build(D, tiles, storage, mods=NONE):
     def attention_forward_wgmma_ws(q, k, v, out, lse, scale_log2, left, right, vec, maps, mod):
         # q, out: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v: (batch, seqlen_k, nheads_kv, headdim)
         # lse: (batch, nheads, seqlen_q)
+        if PACKED:  # a varlen call: the block's own sequence (`kernels.sequences`), q and k for their lengths
+            q_start, q_end, k_start, k_end = sequence(mod, cuda.blockIdx.z)
+            q, k = q[:, q_start:q_end], k[:, k_start:k_end]
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
+        if PACKED and row_start < 0:  # past its sequence's query blocks: the grid covers the longest
+            return
         bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)
         tid = cuda.threadIdx.x
-        if lo >= hi:  # the mask hides every key from these rows
-            write_hidden_rows(out, lse, b, h, row_start, row_end, types.uint16(0), tid, THREADS)
-            return
         n_base = (lo // BLOCK_N) * BLOCK_N  # without a block mask, the first tile's first key
-        ntiles = tile_count(mod, b, h, row_start, lo, hi)
-        if SPARSE and ntiles <= 0:  # the block mask hides every key from these rows
+        ntiles = tile_count(mod, b, h, row_start, lo, hi) if lo < hi else 0
+        if lo >= hi or (SPARSE and ntiles <= 0):  # the mask (or the block mask) hides every key from these rows
+            if PACKED:
+                out, lse = out[:, q_start:q_end], lse[:, :, q_start:q_end]
             write_hidden_rows(out, lse, b, h, row_start, row_end, types.uint16(0), tid, THREADS)
             return
 
         smem = cuda.shared.array(0, types.uint16)
+        words = cuda.shared.array(0, types.uint64)  # the same memory, 8 bytes an element (`zero_tail`)
         base = aligned_base(smem)
         if tid == 0:
             mbarrier_init(smem, base + Q_FULL, FULL_ARRIVALS)
+            mbarrier_init(smem, base + V_TAIL, 1)
             for s in range(STAGES):
                 mbarrier_init(smem, base + K_FULL + s * BARRIER_ELEMENTS, FULL_ARRIVALS)
                 mbarrier_init(smem, base + V_FULL + s * BARRIER_ELEMENTS, FULL_ARRIVALS)
@@ -203,7 +259,7 @@ def build(D, tiles, storage, mods=NONE):
 
         if tid < PRODUCER:
             release_registers()
-            produce(smem, base, q, k, v, maps, mod, b, h, hk, row_start, n_base, ntiles, tid, vec)
+            produce(smem, words, base, q, k, v, maps, mod, b, h, hk, row_start, n_base, ntiles, tid, vec, seqlen_k)
         else:
             take_registers()
             ctid = tid - PRODUCER
@@ -275,6 +331,9 @@ def build(D, tiles, storage, mods=NONE):
             # One normalization at the end; O and LSE written once.
             inv = cuda.local.array(2, types.float32)
             finish(l_i, inv)
+            if PACKED:  # narrowed here: the views, live through the loop, kept 60-120 bytes of local memory
+                q_start, q_end, _, _ = sequence(mod, cuda.blockIdx.z)
+                out, lse = out[:, q_start:q_end], lse[:, :, q_start:q_end]
             write_out(out, b, warp_row, h, acc, 0, inv[0], inv[1], g, t)
             write_lse(lse, b, h, warp_row, g, t, m_i, l_i, scale_log2, bh)
 
