@@ -403,12 +403,17 @@ def run_forward(call, plan, out, lse):
     _launch(plan, 0, _arrays.stream_of(call.q), call.mods, *args, mod_values, layout=layout)
 
 
+_PACKED = Mods(packed=True)  # the staged preprocess of a varlen call: its sequences are all it needs to know
+
+
 def run_backward(call, plan, dout, lse, out, delta, dq, dk, dv, preprocess=None):
     """Launch the three backward kernels of ``plan`` on one stream; ``delta`` is the O(N) workspace
     (`tiling.Plan.delta_shape`: D, or the staged LSE and D that v5's producers copy in bulk).
 
     ``preprocess``: ``(out, dout, delta, grid)`` for the first launch (delta = rowsum(dO * O), row by row)
-    where it reads other views than the others: a varlen call's packed rows as one batch element."""
+    where it reads other views than the others: a varlen call's packed rows as one batch element. A varlen
+    call's staged statistics (v5) are `tiling.packed_delta_shape`, which its preprocess fills sequence by
+    sequence, given the cu_seqlens."""
     stream = _arrays.stream_of(call.q)
     q, k, v = call.q, call.k, call.v
     # The caller's dout, out and lse have q's shapes but strides and alignment of their own: what depends on
@@ -416,10 +421,12 @@ def run_backward(call, plan, dout, lse, out, delta, dq, dk, dv, preprocess=None)
     extra = call.remembered(("scalars", plan.tiles, dout.strides, dout.ptr % 16),
                             lambda: _scalars(call, plan, q, k, v, dout))
     layout = call.remembered(("launches", dout.strides, dout.ptr % 16, out.strides, lse.strides), dict)
-    if preprocess is None:
-        _launch(plan, 0, stream, NONE, out, dout, *((lse,) if plan.staged_statistics else ()), delta, layout=layout)
-    else:
+    if preprocess is not None:
         _launch(plan, 0, stream, NONE, *preprocess[:3], grid=preprocess[3])
+    elif call.mods.packed:  # v5's staged preprocess of packed sequences, which locates each one's rows
+        _launch(plan, 0, stream, _PACKED, out, dout, lse, delta, call.mod_values[:2], layout=layout)
+    else:
+        _launch(plan, 0, stream, NONE, out, dout, *((lse,) if plan.staged_statistics else ()), delta, layout=layout)
     maps = ((), ())
     if isinstance(plan.tiles, tiling.WgmmaTiles) and plan.tiles.producer:
         maps = tuple((m,) for m in wgmma_ws_backward.tensor_map_args(q, k, v, dout, plan.tiles))

@@ -543,6 +543,14 @@ def _staged_statistics(tiles):
     return isinstance(tiles, WgmmaTiles) and tiles.producer
 
 
+def packed_delta_shape(plan, total_q):
+    """The staged statistics of a varlen backward that has them (`Plan.staged_statistics`): ``(1, nheads, 2,
+    rows)``, each packed sequence's rows padded to whole tiles from `kernels.sequences.stats_start` on."""
+    from .kernels.sequences import stats_start
+
+    return (1, plan.nheads, 2, stats_start(total_q, plan.batch, math.lcm(plan.tiles.block_m, plan.tiles.block_n)))
+
+
 def _padded_rows(seqlen_q, tiles):
     """Query rows rounded up to whole tiles of both backward passes (the staged ``stats``' last axis)."""
     whole = math.lcm(tiles.block_m, tiles.block_n)
@@ -659,14 +667,14 @@ def _wgmma_backward_plan(shape, device, tiles, aligned, packed, deterministic):
     D = next(D for D in WGMMA_HEADDIMS if shape["headdim"] <= D)
     planned = tiles is None
     if planned:
-        why = ("packed (varlen) sequences, whose rows the bulk tensor copies' tensor maps do not locate" if packed else
-               "q, k, v or dout has a head dim that is not contiguous, not a multiple of 8 or not 16-byte aligned, "
-               "which the bulk tensor copy engine cannot read" if not aligned else "")
-        if why:
-            return _mma_backward_plan(shape, device, None, f"; the wgmma backward (v5) does not run {why}")
+        if not aligned:
+            return _mma_backward_plan(shape, device, None, "; the wgmma backward (v5) does not run q, k, v or dout "
+                                      "with a head dim that is not contiguous, not a multiple of 8 or not 16-byte "
+                                      "aligned, which the bulk tensor copy engine cannot read")
         tiles = WGMMA_BACKWARD_TILES[D]
-    if packed:
-        raise ValueError(f"{tiles}: the wgmma backward does not take packed (varlen) sequences; use mma.sync's tiles")
+    if packed and not tiles.producer:
+        raise ValueError(f"{tiles}: v3's wgmma backward does not take packed (varlen) sequences; v5's tiles (a producer) "
+                         "and mma.sync's do")
     if tiles.producer and not tiles.tma or tiles.pingpong:
         raise ValueError(f"the wgmma backward's producer issues bulk tensor copies (tma=True), without ping-pong; "
                          f"got {tiles}")
@@ -675,7 +683,7 @@ def _wgmma_backward_plan(shape, device, tiles, aligned, packed, deterministic):
     if tiles.producer and tiles.warpgroups not in wgmma_ws_backward.REGISTERS:
         raise ValueError(f"the wgmma backward runs 1 or 2 consumer warpgroups beside its producer; got {tiles}")
     check_copy_engine(tiles, aligned)
-    atomic = (not deterministic and not planned and tiles.producer and tiles.block_n == WGMMA_ATOMIC_DQ
+    atomic = (not deterministic and not planned and not packed and tiles.producer and tiles.block_n == WGMMA_ATOMIC_DQ
               and D in WGMMA_ATOMIC_DQ_HEADDIMS)
     kernels = wgmma_ws_backward if tiles.producer else wgmma_backward
     smem = ((wgmma_ws_backward.smem_bytes_dkdv(D, tiles, True), 0) if atomic else

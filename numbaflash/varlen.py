@@ -144,13 +144,15 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                              score_mod=None, score_mod_grad=None, mask_mod=None, mod_args=()):
+                              score_mod=None, score_mod_grad=None, mask_mod=None, mod_args=(), plan=None):
     """Gradients of `attention_varlen`, deterministic, as `numbaflash.attention_backward`.
 
     Args:
         dout: ``(total_q, nheads, headdim)``, the gradient of out.
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k and the options: as passed to
             `attention_varlen`; out, lse: its outputs (``return_lse=True``).
+        plan: ``numbaflash.tiling.make_plan(..., backward=True, tiles=..., packed=True)``, as for
+            `attention_varlen`.
 
     Returns:
         ``(dq, dk, dv)`` shaped like q, k, v.
@@ -171,19 +173,25 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         raise ValueError(f"lse must be attention_varlen's log-sum-exp: shape {want_lse}, dtype {call.lse_dtype}; got "
                          f"shape {lse_op.shape}, dtype {lse_op.dtype}")
     with interface._device_context(call):
-        plan = interface._plan_for(call, backward=True)
+        plan = (interface._check_plan(plan, call, "backward") if plan is not None
+                else interface._plan_for(call, backward=True))
         dq = _arrays.empty(call.q, q_shape, call.dtype)
         dk = _arrays.empty(call.q, (packed.total_k, call.nheads_kv, call.headdim), call.dtype)
         dv = _arrays.empty(call.q, (packed.total_k, call.nheads_kv, call.headdim), call.dtype)
-        delta = _arrays.empty(call.q, want_lse, call.lse_dtype)
 
         def views(batch, *named):
             return [_arrays.describe(_arrays.batch_view(x, batch), n) for x, n in named]
 
-        # The preprocess works row by row: the packed rows as one batch element.
-        preprocess = (*views(1, (out, "out"), (dout, "dout"), (delta, "delta")),
-                      tiling.preprocess_grid(packed.total_q, call.nheads, 1))
-        dout_op, lse_op, out_op, delta_op, dq_op, dk_op, dv_op = views(
-            call.batch, (dout, "dout"), (lse, "lse"), (out, "out"), (delta, "delta"), (dq, "dq"), (dk, "dk"), (dv, "dv"))
+        if plan.staged_statistics:  # v5: a staged preprocess locates each sequence's rows itself
+            delta_op = _arrays.describe(_arrays.empty(call.q, tiling.packed_delta_shape(plan, packed.total_q),
+                                                      call.lse_dtype), "delta")
+            preprocess = None
+        else:  # the preprocess works row by row: the packed rows as one batch element
+            delta = _arrays.empty(call.q, want_lse, call.lse_dtype)
+            preprocess = (*views(1, (out, "out"), (dout, "dout"), (delta, "delta")),
+                          tiling.preprocess_grid(packed.total_q, call.nheads, 1))
+            (delta_op,) = views(call.batch, (delta, "delta"))
+        dout_op, lse_op, out_op, dq_op, dk_op, dv_op = views(
+            call.batch, (dout, "dout"), (lse, "lse"), (out, "out"), (dq, "dq"), (dk, "dk"), (dv, "dv"))
         interface.run_backward(call, plan, dout_op, lse_op, out_op, delta_op, dq_op, dk_op, dv_op, preprocess)
     return dq, dk, dv

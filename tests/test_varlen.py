@@ -50,20 +50,30 @@ def packed_problem(dtype, name, causal, seqlens_q=SEQLENS_Q, seqlens_k=SEQLENS_K
     return cases, packed, cu, mods
 
 
-def run(dtype, name, causal, to_device, to_host, tiles=None, backward=False, **sizes):
-    """The packed call's per-sequence results: for each sequence (out, lse) and, with ``backward``,
-    (dq, dk, dv), as batch-1 arrays; plus the cases and the cu_seqlens."""
-    cases, (q, k, v, dout), cu, mods = packed_problem(dtype, name, causal, **sizes)
+def run(dtype, name, causal, to_device, to_host, tiles=None, backward=False, backward_tiles=None, **sizes):
+    """The cases, the per-sequence results (`results_of`) and the cu_seqlens of a packed problem."""
+    cases, packed, cu, mods = packed_problem(dtype, name, causal, **sizes)
+    return cases, results_of(dtype, causal, mods, packed, cu, to_device, to_host, tiles, backward, backward_tiles), cu
+
+
+def results_of(dtype, causal, mods, packed, cu, to_device, to_host, tiles=None, backward=False, backward_tiles=None):
+    """The packed call's per-sequence results: for each sequence (out, lse) and, with ``backward``, (dq, dk, dv),
+    as batch-1 arrays. ``tiles``, ``backward_tiles``: the forward's and the backward's (default: the plans')."""
+    q, k, v, dout = packed
     seqlens_q, seqlens_k = np.diff(cu[0]), np.diff(cu[1])
     lengths = (int(cu[0].shape[0]) - 1, int(seqlens_q.max()), int(seqlens_k.max()))
     options = Case(1, 1, 1, 1, 1, q.shape[-1], dtype, causal=causal, logit_scale=2.0, modifications=mods)
     options = dict(softmax_scale=options.scale, **options.options(to_device))
     dev = [to_device(x) for x in (q, k, v, dout, *cu)]
-    plan = None if tiles is None else tiling.make_plan(lengths[0], NHEADS, NHEADS_KV, *lengths[1:], q.shape[-1], dtype,
-                                                       tiles=tiles, packed=True)
-    out, lse = numbaflash.attention_varlen(*dev[:3], *dev[4:], *lengths[1:], return_lse=True, plan=plan, **options)
-    grads = (numbaflash.attention_varlen_backward(dev[3], *dev[:3], out, lse, *dev[4:], *lengths[1:], **options)
-             if backward else None)
+
+    def plan_of(chosen, backward=False):
+        return None if chosen is None else tiling.make_plan(lengths[0], NHEADS, NHEADS_KV, *lengths[1:], q.shape[-1],
+                                                            dtype, backward=backward, tiles=chosen, packed=True)
+
+    out, lse = numbaflash.attention_varlen(*dev[:3], *dev[4:], *lengths[1:], return_lse=True, plan=plan_of(tiles),
+                                           **options)
+    grads = (numbaflash.attention_varlen_backward(dev[3], *dev[:3], out, lse, *dev[4:], *lengths[1:],
+                                                  plan=plan_of(backward_tiles, True), **options) if backward else None)
     out, lse = to_host(out), to_host(lse)
     assert out.shape == q.shape and lse.shape == (NHEADS, q.shape[0])
     grads = None if grads is None else [to_host(g) for g in grads]
@@ -73,7 +83,7 @@ def run(dtype, name, causal, to_device, to_host, tiles=None, backward=False, **s
         forward = (out[None, rows], lse[None, :, rows])
         results.append((forward, None if grads is None else (grads[0][None, rows], grads[1][None, keys],
                                                               grads[2][None, keys])))
-    return cases, results, cu
+    return results
 
 
 def check_sequences(cases, results, cu, to_device, backward):
@@ -91,37 +101,35 @@ def check_sequences(cases, results, cu, to_device, backward):
                 assert (grad == 0).all(), f"sequence {b}: {name} {grad}"
 
 
-# The simulator runs the CUDA cores and mma.sync forward and backward (the two backward families) with a
-# combination each, and the wgmma forwards plain (v3) and with a combination (v5, whose tensor maps span the
-# packed operands).
+# The simulator runs every backward family with a combination: the CUDA cores and mma.sync with their
+# forwards, v5 (whose tensor maps span the packed operands) with its forward; and v3's forward plain.
 SIMULATED = [("simt", "softcap, ALiBi", True), ("mma", "bias table, documents", False), ("wgmma v3", None, True),
              ("wgmma v5", "bias table, documents", True)]
+BACKWARD_TILES = {"wgmma v5": tiling.SIMULATOR_WGMMA_BACKWARD_TILES}
 
 
 @pytest.mark.parametrize("family, name, causal", SIMULATED)
 def test_each_sequence_equals_its_own_problem(family, name, causal, arrays, poisoned):
     dtype, tiles = FAMILIES[family]
-    backward = not family.startswith("wgmma")
-    cases, results, cu = run(dtype, name, causal, *arrays, tiles=tiles, backward=backward)
+    backward = family != "wgmma v3"
+    cases, results, cu = run(dtype, name, causal, *arrays, tiles=tiles, backward=backward,
+                             backward_tiles=BACKWARD_TILES.get(family))
     check_sequences(cases, results, cu, arrays[0], backward)
 
 
 @pytest.mark.parametrize("family", ["wgmma v3", "wgmma v5"])
 def test_a_sequence_never_reads_the_next_ones_values(family, arrays, poisoned):
-    """Sequence 0's last key tile reaches into sequence 1's rows (v5's tensor maps span the packed operands):
-    an inf in sequence 1's V must not reach sequence 0's output, where P's zeros times it would be NaN."""
-    to_device, to_host = arrays
+    """Sequence 0's last tiles reach into the next sequences' rows (v5's tensor maps span the packed operands):
+    an inf in any of their q, k, v or dout must not reach sequence 0's results, where zero probabilities or
+    dS times it would be NaN. v3's forward runs with mma.sync's backward (v3's takes no packed sequences)."""
     dtype, tiles = FAMILIES[family]
     cases, (q, k, v, dout), cu, _ = packed_problem(dtype, None, False)
-    assert cu[1][1] % tiles.block_n, "sequence 0 must end inside a key tile"
-    v[cu[1][1]:cu[1][2]] = np.inf
-    lengths = (len(cu[0]) - 1, int(np.diff(cu[0]).max()), int(np.diff(cu[1]).max()))
-    plan = tiling.make_plan(lengths[0], NHEADS, NHEADS_KV, *lengths[1:], HEADDIM, dtype, tiles=tiles, packed=True)
-    out, lse = numbaflash.attention_varlen(*(to_device(x) for x in (q, k, v, *cu)), *lengths[1:], return_lse=True,
-                                           plan=plan, softmax_scale=cases[0].scale)
-    rows = slice(cu[0][0], cu[0][1])
-    forward = (to_host(out)[None, rows], to_host(lse)[None, :, rows])
-    check_forward(cases[0], lambda *a, **kw: forward, lambda x: x, lambda x: x)
+    assert cu[0][1] % 16 and cu[1][1] % 16, "sequence 0 must end inside its query and key tiles"
+    for x, at in ((q, 0), (k, 1), (v, 1), (dout, 0)):
+        x[cu[at][1]:] = np.inf
+    results = results_of(dtype, False, {}, (q, k, v, dout), cu, *arrays, tiles=tiles, backward=True,
+                         backward_tiles=BACKWARD_TILES.get(family))
+    check_sequences(cases[:1], results[:1], cu, arrays[0], backward=True)
 
 
 # At real sizes every family (the production tiles, or v3's), many sequences of odd lengths.

@@ -16,9 +16,41 @@ sequence. The narrowing is written in each kernel, not here, because a CUDA devi
 return a new array view; ``PACKED`` is a compile-time constant, so other kernels compile without it.
 The grid of a varlen call covers its longest sequence: a block whose first row (or key) lies past its
 own sequence's length returns at once.
+
+The v5 backward reads its rows' LSE and D from a staged preprocess's ``stats`` in bulk, 16-byte aligned
+and padded to whole tiles past each sequence (`simt.backward.build_staged_preprocess`). For packed
+sequences ``stats`` is one batch element whose sequence ``b`` has its segment from row ``stats_start(cu_seqlens_q[b],
+b, whole)``: aligned to 4 floats, and ``whole + 4`` rows per sequence before it leave room for each one's
+padding; ``stats_start(total_q, num_sequences, whole)`` rows hold them all.
 """
 
 from .intrinsics import device_function
+
+
+@device_function
+def stats_start(q_start, b, whole):
+    """The first row of packed sequence ``b`` (its first query row ``q_start``) in a staged ``stats`` whose
+    tiles pad to ``whole`` rows."""
+    return (q_start + 3) // 4 * 4 + b * (whole + 4)
+
+
+def sequence_starts(mods, whole=1):
+    """``starts(mod, b)``: packed sequence ``b``'s first query row and first key in the packed operands, and its
+    first row in a staged ``stats`` of ``whole``-row tiles (`stats_start`); zeros without packed sequences (the
+    bulk copies of the v5 kernels address the packed operands through one tensor map)."""
+    sequence = sequences(mods)
+
+    if mods.packed:
+        @device_function
+        def starts(mod, b):
+            q_start, _, k_start, _ = sequence(mod, b)
+            return q_start, k_start, stats_start(q_start, b, whole)
+    else:
+        @device_function
+        def starts(mod, b):
+            return 0, 0, 0
+
+    return starts
 
 
 def sequences(mods):

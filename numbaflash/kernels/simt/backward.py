@@ -37,7 +37,7 @@ from ..fragments import fill
 from ..key_tiles import key_tiles
 from ..mods import kernel_type, modifiers
 from ..query_tiles import query_tiles
-from ..sequences import sequences
+from ..sequences import sequences, stats_start
 from .tiles import in_parts, outer_product, patch_writer, stagers, vector_width
 
 PREPROCESS_ROWS = 8  # query rows per block of the preprocess kernel: one warp each
@@ -145,20 +145,39 @@ def build_preprocess(D, tiles, storage, mods=NONE):
 def build_staged_preprocess(D, tiles, storage, mods=NONE):
     """The preprocess of kernels that copy each query tile's LSE and D in bulk (`wgmma.ws_backward`): it writes
     ``stats[b, h, 0, i]`` = `log2_lse` and ``stats[b, h, 1, i]`` = D, for rows padded to whole tiles (+inf and
-    0 past the sequence), so a tile's statistics are two aligned runs of floats the copy engine reads."""
+    0 past the sequence), so a tile's statistics are two aligned runs of floats the copy engine reads. With
+    ``mods.packed`` (its only modification) it takes the cu_seqlens as its last argument and writes sequence
+    ``b``'s rows into ``stats[0]`` from `sequences.stats_start` on."""
     ACC, to_acc, _ = elements.codec(storage)
     storage_type = types.Array(from_dtype(elements.kernel_dtype(storage)), 4, "A")
     signature = (storage_type, storage_type, types.Array(ACC, 3, "A"), types.Array(ACC, 4, "C"))
     rowsum, lse2 = _rowsum(ACC, to_acc), log2_lse(ACC)
+    PACKED, sequence = mods.packed, sequences(mods)
+    WHOLE = math.lcm(tiles.block_m, tiles.block_n)
+
+    @device_function
+    def staged_rows(out, dout, lse, stats, mod):
+        # out, dout: (batch, seqlen_q, nheads, headdim); lse: (batch, nheads, seqlen_q); stats: (batch, nheads,
+        # 2, seqlen_q padded), or (1, nheads, 2, rows) for packed sequences
+        b, h, row, lane = warp_row()
+        first, padded, at = 0, stats.shape[3], b
+        if PACKED:  # the block's own sequence (`kernels.sequences`)
+            q_start, q_end, _, _ = sequence(mod, b)
+            out, dout, lse = out[:, q_start:q_end], dout[:, q_start:q_end], lse[:, :, q_start:q_end]
+            first, padded, at = stats_start(q_start, b, WHOLE), (q_end - q_start + WHOLE - 1) // WHOLE * WHOLE, 0
+        total = rowsum(out, dout, b, h, row, lane)
+        if row < padded and lane == 0:
+            stats[at, h, 0, first + row] = lse2(lse, b, h, row)
+            stats[at, h, 1, first + row] = total
+
+    if PACKED:
+        def attention_backward_staged_preprocess(out, dout, lse, stats, mod):
+            staged_rows(out, dout, lse, stats, mod)
+
+        return attention_backward_staged_preprocess, signature + (kernel_type(mods, ACC),)
 
     def attention_backward_staged_preprocess(out, dout, lse, stats):
-        # out, dout: (batch, seqlen_q, nheads, headdim); lse: (batch, nheads, seqlen_q); stats: (batch, nheads,
-        # 2, seqlen_q padded)
-        b, h, row, lane = warp_row()
-        total = rowsum(out, dout, b, h, row, lane)
-        if row < stats.shape[3] and lane == 0:
-            stats[b, h, 0, row] = lse2(lse, b, h, row)
-            stats[b, h, 1, row] = total
+        staged_rows(out, dout, lse, stats, ())
 
     return attention_backward_staged_preprocess, signature
 

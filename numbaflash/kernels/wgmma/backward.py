@@ -155,6 +155,8 @@ def dq_step(D, tiles, storage, mods=NONE):
 
 def build_dkdv(D, tiles, storage, mods=NONE):
     """The dK/dV kernel for padded head dim ``D`` (64 or 128), `WgmmaTiles` and float16/bfloat16."""
+    if mods.packed:  # its plans refuse packed sequences (`tiling`): a plan made for a batch stops here
+        raise ValueError(f"{tiles}: v3's wgmma backward does not take packed (varlen) sequences")
     BLOCK_M, BLOCK_N, WARPGROUPS = tiles.block_m, tiles.block_n, tiles.warpgroups
     THREADS = 128 * WARPGROUPS
     NT, DT, PS = BLOCK_N // 8, D // 8, BLOCK_N // 16
@@ -246,6 +248,8 @@ def build_dkdv(D, tiles, storage, mods=NONE):
 
 def build_dq(D, tiles, storage, mods=NONE):
     """The dQ kernel for padded head dim ``D`` (64 or 128), `WgmmaTiles` and float16/bfloat16."""
+    if mods.packed:  # its plans refuse packed sequences (`tiling`): a plan made for a batch stops here
+        raise ValueError(f"{tiles}: v3's wgmma backward does not take packed (varlen) sequences")
     BLOCK_M, BLOCK_N, WARPGROUPS = tiles.block_m, tiles.block_n, tiles.warpgroups
     THREADS = 128 * WARPGROUPS
     NT, DT, PS = BLOCK_N // 8, D // 8, BLOCK_N // 16

@@ -6,11 +6,15 @@ count, `copy_tile`), and an "empty" one, on which each consumer warpgroup arrive
 stage (`release`). Used by the forward (`ws_forward`) and the backward (`ws_backward`).
 """
 
-from ..intrinsics import device_function, mbarrier_arrive, mbarrier_try_wait, tma_load_4d
+from numba import types
+
+from ..intrinsics import (device_function, fence_proxy_async, mbarrier_arrive, mbarrier_try_wait, named_barrier_sync,
+                          tma_load_4d)
 from .tiles import ATOM
 
 PRODUCER = 128  # threads of the producer warpgroup
 BARRIER_ELEMENTS = 4  # 16-bit elements per 8-byte mbarrier
+TAIL_BARRIER = 15  # the named barrier of a producer warp that zeroes a packed sequence's last tile (`tail_zeroer`)
 # Registers per thread after setmaxnreg, by consumer warpgroups: the block starts with 65536 / threads
 # rounded down to 8 (168 at 384 threads, 128 at 512), and the consumers' raise must not exceed what the
 # producer's cut frees, or setmaxnreg.inc waits forever. The producer issues the copies with 24, so three
@@ -43,6 +47,36 @@ def release(smem, barrier, ctid):
     whole tile; an arrival by each of the 128 threads made a stage's mbarrier take 256 arrivals per tile."""
     if ctid % 128 == 0:
         mbarrier_arrive(smem, barrier)
+
+
+def tail_zeroer(D):
+    """``zero_rows(words, at, rows, first, lane)``: the 32 lanes of a producer warp zero rows ``first ..`` of the
+    ``rows``-row swizzled tile at element ``at``, 8 bytes a store (``words``: the same shared memory as uint64).
+
+    A packed (varlen) sequence's operands are one tensor map's rows (`tensor_maps.spec`), so a tile that
+    reaches past the sequence brings the next sequence's rows, where a padded batch's copies bring zeros; the
+    kernels' zero scores and probabilities times an inf or NaN there would reach this sequence's results. Such
+    a tile lands on a barrier of the producer's own; its warp zeroes the extra rows and `hand_over` releases it.
+    A row is one 128-byte line of each swizzle atom, whatever the swizzle does inside it."""
+    ATOMS = D // ATOM
+
+    @device_function
+    def zero_rows(words, at, rows, first, lane):
+        for a in range(ATOMS):
+            for i in range((at + (a * rows + first) * ATOM) // 4 + lane, (at + (a + 1) * rows * ATOM) // 4, 32):
+                words[i] = types.uint64(0)
+
+    return zero_rows
+
+
+@device_function
+def hand_over(smem, full, lane):
+    """After `tail_zeroer`'s stores: they reach wgmma's reads (the async proxy), and lane 0's arrival on the
+    stage's ``full`` mbarrier (which expects one) releases the tile to the consumers."""
+    fence_proxy_async()
+    named_barrier_sync(TAIL_BARRIER, 32)
+    if lane == 0:
+        mbarrier_arrive(smem, full)
 
 
 def bulk_copier(D):

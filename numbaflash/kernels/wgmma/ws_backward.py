@@ -30,6 +30,8 @@ before the steps skipped their per-score tests on whole tiles; the atomic dQ 0.8
 no plan picks it by itself (`tiling.WGMMA_ATOMIC_DQ_HEADDIMS`); `tiling` keeps the tile comparison.
 """
 
+import math
+
 from numba import cuda, types
 
 from ...mods import NONE
@@ -44,7 +46,9 @@ from ..mods import modifiers
 from ..query_tiles import query_tiles
 from . import tensor_maps
 from .backward import dkdv_step, dq_step
-from .pipeline import BARRIER_ELEMENTS, PRODUCER, bulk_copier, check_registers, release, wait
+from ..sequences import sequence_starts, sequences
+from .pipeline import (BARRIER_ELEMENTS, PRODUCER, bulk_copier, check_registers, hand_over, release, tail_zeroer,
+                       wait)
 from .tiles import ALIGN, ATOM, advance, aligned_base, operand
 
 # Registers per thread after setmaxnreg (see `pipeline.REGISTERS`): when its warp also copied LSE and D through
@@ -71,17 +75,18 @@ def tensor_map_args(q, k, v, dout, tiles):
 def layout_dkdv(D, tiles, accumulate_dq=False):
     """Element offsets from the aligned base: K and V (block_m rows), the Q and dO rings (stages of block_n
     rows), with ``accumulate_dq`` two dS^T tiles (block_m keys x block_n queries; none otherwise), the rings'
-    LSE and D (float32), the mbarriers (K and V full; full per stage), the end."""
+    LSE and D (float32), the mbarriers (K and V full; full per stage; a packed sequence's last tiles), the end."""
     sizes = (tiles.block_m * D, tiles.block_m * D, tiles.stages * tiles.block_n * D,
              tiles.stages * tiles.block_n * D, DS_TILES * tiles.block_m * tiles.block_n if accumulate_dq else 0,
-             tiles.stages * 2 * tiles.block_n * 2, (1 + tiles.stages) * BARRIER_ELEMENTS)
+             tiles.stages * 2 * tiles.block_n * 2, (2 + tiles.stages) * BARRIER_ELEMENTS)
     return tuple(sum(sizes[:i]) for i in range(len(sizes) + 1))
 
 
 def layout_dq(D, tiles):
-    """Element offsets from the aligned base: Q and dO (block_m rows), the K and V rings, the mbarriers."""
+    """Element offsets from the aligned base: Q and dO (block_m rows), the K and V rings, the mbarriers (Q and dO
+    full; full and empty per stage; a packed sequence's last tile)."""
     sizes = (tiles.block_m * D, tiles.block_m * D, tiles.stages * tiles.block_n * D,
-             tiles.stages * tiles.block_n * D, (1 + 2 * tiles.stages) * BARRIER_ELEMENTS)
+             tiles.stages * tiles.block_n * D, (2 + 2 * tiles.stages) * BARRIER_ELEMENTS)
     return tuple(sum(sizes[:i]) for i in range(len(sizes) + 1))
 
 
@@ -170,7 +175,13 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
     BLOCK_M, BLOCK_N, CONSUMERS, STAGES = tiles.block_m, tiles.block_n, tiles.warpgroups, tiles.stages
     NT, DT, PS, AT = BLOCK_N // 8, D // 8, BLOCK_N // 16, ATOM // 8
     K_AT, V_AT, Q_AT, DO_AT, DS_AT, STATS_AT, BAR_AT, _ = layout_dkdv(D, tiles, accumulate_dq)
-    KV_FULL, FULL = BAR_AT, BAR_AT + BARRIER_ELEMENTS
+    KV_FULL, FULL, TAIL = BAR_AT, BAR_AT + BARRIER_ELEMENTS, BAR_AT + (1 + STAGES) * BARRIER_ELEMENTS
+    PACKED = mods.packed
+    if PACKED and accumulate_dq:
+        raise ValueError(f"{tiles}: the atomic dQ does not take packed (varlen) sequences")
+    starts = sequence_starts(mods, math.lcm(BLOCK_M, BLOCK_N))
+    sequence = sequences(mods)
+    zero_rows = tail_zeroer(D)
     TILE = BLOCK_N * D  # elements of one Q or dO stage
     STATS_BYTES = 2 * 4 * BLOCK_N  # a tile's LSE and D
     ACCUMULATE_DQ = accumulate_dq
@@ -187,18 +198,20 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
     ZERO, ONE = types.float32(0), types.float32(1)
 
     @device_function
-    def copy_query_tile(smem, base, delta, maps, b, h, q_start, it):
-        # Query tile it (head h, from row q_start)'s Q and dO, and its LSE and D, into its stage, landing on the
-        # stage's full mbarrier.
+    def copy_query_tile(smem, base, delta, maps, b, h, q_start, it, q_seq, stats_first, landed):
+        # Query tile it (head h, from row q_start)'s Q and dO, and its LSE and D, into its stage, landing on
+        # ``landed`` (the stage's full mbarrier, or a packed sequence's tail's). A packed sequence's rows are at
+        # q_seq on in its operands, and stats_first on in the staged stats (`sequences.stats_start`).
         s = it % STAGES
-        full = base + FULL + s * BARRIER_ELEMENTS
-        mbarrier_arrive_expect_tx(smem, full, 2 * 2 * BLOCK_N * D + STATS_BYTES)
-        copy_tile(smem, base + Q_AT + s * TILE, full, maps, 0, h, q_start, b, BLOCK_N)
-        copy_tile(smem, base + DO_AT + s * TILE, full, maps, 1, h, q_start, b, BLOCK_N)
+        at_b = 0 if PACKED else b  # a packed operand's map, and its stats, are one batch element
+        mbarrier_arrive_expect_tx(smem, landed, 2 * 2 * BLOCK_N * D + STATS_BYTES)
+        copy_tile(smem, base + Q_AT + s * TILE, landed, maps, 0, h, q_seq + q_start, at_b, BLOCK_N)
+        copy_tile(smem, base + DO_AT + s * TILE, landed, maps, 1, h, q_seq + q_start, at_b, BLOCK_N)
         # The tile's LSE, then its D (float32: two 16-bit elements each), as the consumers read them.
         stats_at = base + STATS_AT + s * 4 * BLOCK_N
-        bulk_load(smem, stats_at, delta, (b, h, 0, q_start), STATS_BYTES // 2, full)
-        bulk_load(smem, stats_at + 2 * BLOCK_N, delta, (b, h, 1, q_start), STATS_BYTES // 2, full)
+        bulk_load(smem, stats_at, delta, (at_b, h, 0, stats_first + q_start), STATS_BYTES // 2, landed)
+        bulk_load(smem, stats_at + 2 * BLOCK_N, delta, (at_b, h, 1, stats_first + q_start), STATS_BYTES // 2,
+                  landed)
 
     @device_function
     def release_barrier(wg, it):
@@ -214,21 +227,34 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
             named_barrier_sync(release_barrier(c, it), RELEASE_THREADS)
 
     @device_function
-    def produce(smem, base, delta, maps, mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, ntiles, lane):
-        # By the producer's first warp: its lane 0 issues the copies, the whole warp joins the consumers' barriers.
+    def produce(smem, words, base, delta, maps, mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, ntiles, lane):
+        # By the producer's first warp: its lane 0 issues the copies, the whole warp joins the consumers' barriers
+        # (and zeroes a packed sequence's last query tiles' extra rows, `pipeline.tail_zeroer`).
+        q_seq, k_seq, stats_first = starts(mod, b)
         if lane == 0:
             for which in range(4):  # Q, dO, K, V
                 tensormap_acquire(maps, which)
             mbarrier_arrive_expect_tx(smem, base + KV_FULL, 2 * 2 * BLOCK_M * D)
-            copy_tile(smem, base + K_AT, base + KV_FULL, maps, 2, hk, key_start, b, BLOCK_M)
-            copy_tile(smem, base + V_AT, base + KV_FULL, maps, 3, hk, key_start, b, BLOCK_M)
+            copy_tile(smem, base + K_AT, base + KV_FULL, maps, 2, hk, k_seq + key_start, 0 if PACKED else b, BLOCK_M)
+            copy_tile(smem, base + V_AT, base + KV_FULL, maps, 3, hk, k_seq + key_start, 0 if PACKED else b, BLOCK_M)
+        tails = 0  # one per query head of the group: the tail mbarrier's phases
         for it in range(ntiles):
             # A block mask's table is read while the consumers finish the stage's last tile.
             h, q_start = tile_of(mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, it)
             if it >= STAGES:  # the stage's last tile, it - STAGES, is done with
                 freed(it - STAGES)
+            s = it % STAGES
+            full = base + FULL + s * BARRIER_ELEMENTS
+            tail = PACKED and q_start + BLOCK_N > seqlen_q
             if lane == 0:
-                copy_query_tile(smem, base, delta, maps, b, h, q_start, it)
+                copy_query_tile(smem, base, delta, maps, b, h, q_start, it, q_seq, stats_first,
+                                base + TAIL if tail else full)
+            if tail:
+                wait(smem, base + TAIL, tails & 1)
+                zero_rows(words, base + Q_AT + s * TILE, BLOCK_N, seqlen_q - q_start, lane)
+                zero_rows(words, base + DO_AT + s * TILE, BLOCK_N, seqlen_q - q_start, lane)
+                hand_over(smem, full, lane)
+                tails += 1
         for it in range(max(ntiles - STAGES, 0), ntiles):  # every consumer's arrivals are met
             freed(it)
 
@@ -237,9 +263,14 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
         # q, dout: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v, dk, dv: (batch, seqlen_k, nheads_kv,
         # headdim); lse: (batch, nheads, seqlen_q), unread; delta: the staged preprocess's stats (batch, nheads, 2,
         # rows padded); dq_acc: see build_dkdv_dq (unused without it)
+        if PACKED:  # a varlen call: the block's own sequence (`kernels.sequences`), q and k for their lengths
+            q_seq, q_end, k_seq, k_end = sequence(mod, cuda.blockIdx.z)
+            q, k = q[:, q_seq:q_end], k[:, k_seq:k_end]
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         group = q.shape[2] // k.shape[2]
         b, hk, key_start, q_lo, q_hi = key_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
+        if PACKED and key_start >= seqlen_k:  # past its sequence's key blocks: the grid covers the longest
+            return
         tid = cuda.threadIdx.x
         ntiles = tile_count(mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q)  # 0: dK = dV = 0
 
@@ -247,6 +278,7 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
         base = aligned_base(smem)
         if tid == 0:
             mbarrier_init(smem, base + KV_FULL, 1)
+            mbarrier_init(smem, base + TAIL, 1)
             for s in range(STAGES):
                 mbarrier_init(smem, base + FULL + s * BARRIER_ELEMENTS, 1)
         cuda.syncthreads()
@@ -254,7 +286,8 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
         if tid < PRODUCER:
             release_registers()
             if tid < 32 and ntiles > 0:  # the first warp: one thread issues the bulk copies
-                produce(smem, base, delta, maps, mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, ntiles, tid)
+                produce(smem, cuda.shared.array(0, types.uint64), base, delta, maps, mod, b, hk, key_start, group,
+                        q_lo, q_hi, seqlen_q, ntiles, tid)
             return
 
         take_registers()
@@ -315,6 +348,9 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
         # dK = scale dS^T Q with scale = scale_log2 ln(2) (the scale argument with modifications); the rows past
         # seqlen_k are dropped.
         scale = natural(scale_log2)
+        if PACKED:  # narrowed here, not kept live through the loop (the forward's reason)
+            _, _, k_seq, k_end = sequence(mod, cuda.blockIdx.z)
+            dk, dv = dk[:, k_seq:k_end], dv[:, k_seq:k_end]
         write_grad(dk, b, warp_key, hk, dk_acc, 0, scale, scale, g, t)
         write_grad(dv, b, warp_key, hk, dv_acc, 0, ONE, ONE, g, t)
 
@@ -338,6 +374,11 @@ def build_dq(D, tiles, storage, mods=NONE):
     NT, DT, PS = BLOCK_N // 8, D // 8, BLOCK_N // 16
     Q_AT, DO_AT, K_AT, V_AT, BAR_AT, _ = layout_dq(D, tiles)
     QDO_FULL, FULL, EMPTY = BAR_AT, BAR_AT + BARRIER_ELEMENTS, BAR_AT + (1 + STAGES) * BARRIER_ELEMENTS
+    TAIL = BAR_AT + (1 + 2 * STAGES) * BARRIER_ELEMENTS
+    PACKED = mods.packed
+    starts = sequence_starts(mods, math.lcm(BLOCK_M, BLOCK_N))
+    sequence = sequences(mods)
+    zero_rows = tail_zeroer(D)
     TILE = BLOCK_N * D  # elements of one K or V stage
     copy_tile = bulk_copier(D)
     operands, step = dq_step(D, tiles, storage, mods)
@@ -351,26 +392,45 @@ def build_dq(D, tiles, storage, mods=NONE):
     ZERO = types.float32(0)
 
     @device_function
-    def produce(smem, base, maps, mod, b, h, hk, row_start, n_base, ntiles):
-        for which in range(4):  # Q, dO, K, V
-            tensormap_acquire(maps, which)
-        mbarrier_arrive_expect_tx(smem, base + QDO_FULL, 2 * 2 * BLOCK_M * D)
-        copy_tile(smem, base + Q_AT, base + QDO_FULL, maps, 0, h, row_start, b, BLOCK_M)
-        copy_tile(smem, base + DO_AT, base + QDO_FULL, maps, 1, h, row_start, b, BLOCK_M)
+    def produce(smem, words, base, maps, mod, b, h, hk, row_start, n_base, ntiles, seqlen_k, lane):
+        # Lane 0 issues the copies; with packed sequences the whole first warp runs it, and zeroes the extra rows
+        # of the sequence's last key tile (`pipeline.tail_zeroer`): dQ = dS K would take an inf there times a
+        # zero dS.
+        q_seq, k_seq, _ = starts(mod, b)
+        at_b = 0 if PACKED else b  # a packed operand's map is one batch element
+        if lane == 0:
+            for which in range(4):  # Q, dO, K, V
+                tensormap_acquire(maps, which)
+            mbarrier_arrive_expect_tx(smem, base + QDO_FULL, 2 * 2 * BLOCK_M * D)
+            copy_tile(smem, base + Q_AT, base + QDO_FULL, maps, 0, h, q_seq + row_start, at_b, BLOCK_M)
+            copy_tile(smem, base + DO_AT, base + QDO_FULL, maps, 1, h, q_seq + row_start, at_b, BLOCK_M)
         for it in range(ntiles):
             s = it % STAGES
             n_start = tile_start(mod, b, h, row_start, n_base, it)  # a block mask's table read while the stage drains
             wait(smem, base + EMPTY + s * BARRIER_ELEMENTS, ((it // STAGES) & 1) ^ 1)
             full = base + FULL + s * BARRIER_ELEMENTS
-            mbarrier_arrive_expect_tx(smem, full, 2 * 2 * BLOCK_N * D)
-            copy_tile(smem, base + K_AT + s * TILE, full, maps, 2, hk, n_start, b, BLOCK_N)
-            copy_tile(smem, base + V_AT + s * TILE, full, maps, 3, hk, n_start, b, BLOCK_N)
+            tail = PACKED and n_start + BLOCK_N > seqlen_k
+            landed = base + TAIL if tail else full
+            if lane == 0:
+                mbarrier_arrive_expect_tx(smem, landed, 2 * 2 * BLOCK_N * D)
+                copy_tile(smem, base + K_AT + s * TILE, landed, maps, 2, hk, k_seq + n_start, at_b, BLOCK_N)
+                copy_tile(smem, base + V_AT + s * TILE, landed, maps, 3, hk, k_seq + n_start, at_b, BLOCK_N)
+            if tail:  # the last tile: one per block
+                wait(smem, base + TAIL, 0)
+                zero_rows(words, base + K_AT + s * TILE, BLOCK_N, seqlen_k - n_start, lane)
+                zero_rows(words, base + V_AT + s * TILE, BLOCK_N, seqlen_k - n_start, lane)
+                hand_over(smem, full, lane)
 
     def attention_backward_dq_wgmma_ws(q, k, v, dout, lse, delta, dq, scale_log2, left, right, vec, maps, mod):
         # q, dout, dq: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v: (batch, seqlen_k, nheads_kv,
         # headdim); lse: (batch, nheads, seqlen_q), unread; delta: the staged preprocess's stats
+        if PACKED:  # a varlen call: the block's own sequence (`kernels.sequences`), q and k for their lengths
+            q_seq, q_end, k_seq, k_end = sequence(mod, cuda.blockIdx.z)
+            q, k = q[:, q_seq:q_end], k[:, k_seq:k_end]
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
+        if PACKED and row_start < 0:  # past its sequence's query blocks: the grid covers the longest
+            return
         tid = cuda.threadIdx.x
         n_base = (lo // BLOCK_N) * BLOCK_N  # without a block mask, the first tile's first key
         ntiles = tile_count(mod, b, h, row_start, lo, hi)  # 0: these rows see no key, dQ = 0
@@ -379,6 +439,7 @@ def build_dq(D, tiles, storage, mods=NONE):
         base = aligned_base(smem)
         if tid == 0:
             mbarrier_init(smem, base + QDO_FULL, 1)
+            mbarrier_init(smem, base + TAIL, 1)
             for s in range(STAGES):
                 mbarrier_init(smem, base + FULL + s * BARRIER_ELEMENTS, 1)
                 mbarrier_init(smem, base + EMPTY + s * BARRIER_ELEMENTS, CONSUMERS)
@@ -386,8 +447,9 @@ def build_dq(D, tiles, storage, mods=NONE):
 
         if tid < PRODUCER:
             release_registers()
-            if tid == 0 and ntiles > 0:  # one thread issues the bulk copies
-                produce(smem, base, maps, mod, b, h, hk, row_start, n_base, ntiles)
+            if tid < (32 if PACKED else 1) and ntiles > 0:  # one thread issues the bulk copies
+                produce(smem, cuda.shared.array(0, types.uint64), base, maps, mod, b, h, hk, row_start, n_base,
+                        ntiles, seqlen_k, tid)
             return
 
         take_registers()
@@ -404,7 +466,9 @@ def build_dq(D, tiles, storage, mods=NONE):
             dsum = cuda.local.array(2, types.float32)
             lo_r = cuda.local.array(2, types.int64)
             hi_r = cuda.local.array(2, types.int64)
-            rows(lse2, dsum, lo_r, hi_r, lse, delta, b, h, warp_row, g, seqlen_q, seqlen_k, left, right)
+            _, _, stats_first = starts(mod, b)  # a packed sequence's rows in the stats' one batch element
+            rows(lse2, dsum, lo_r, hi_r, lse, delta[:, :, :, stats_first:], 0 if PACKED else b, h, warp_row, g,
+                 seqlen_q, seqlen_k, left, right)
             # A: the warpgroup's 64 rows of Q and dO; B: the streamed K (K-major for S, MN-major for dQ) and V.
             descs = operands(shared_address(smem, base), Q_AT, DO_AT, K_AT, V_AT, wg)
             s = cuda.local.array((NT, 4), types.float32)  # S: 64 rows x BLOCK_N keys per warpgroup
@@ -426,6 +490,9 @@ def build_dq(D, tiles, storage, mods=NONE):
         # dQ = scale dS K with scale = scale_log2 ln(2) (the scale argument with modifications); the rows past
         # seqlen_q are dropped.
         scale = natural(scale_log2)
+        if PACKED:
+            q_seq, q_end, _, _ = sequence(mod, cuda.blockIdx.z)
+            dq = dq[:, q_seq:q_end]
         write_grad(dq, b, warp_row, h, dq_acc, 0, scale, scale, g, t)
 
     return attention_backward_dq_wgmma_ws, _signature(1, mods)

@@ -42,17 +42,16 @@ from ..intrinsics import (cp_async_mbarrier_arrive, cp_async_wait_all, device_fu
 from ..fragments import fragment_writer
 from ..key_tiles import key_tiles, verdict_slot
 from ..mods import kernel_type, modifiers
-from ..sequences import sequences
+from ..sequences import sequence_starts, sequences
 from ..softmax import steps
 from . import tensor_maps
 from .forward import layout
-from .pipeline import BARRIER_ELEMENTS, PRODUCER, REGISTERS, bulk_copier, release, wait
-from .tiles import ALIGN, ATOM, advance, aligned_base, descriptors, pack_p, products, stager
+from .pipeline import BARRIER_ELEMENTS, PRODUCER, REGISTERS, bulk_copier, hand_over, release, tail_zeroer, wait
+from .tiles import ALIGN, advance, aligned_base, descriptors, pack_p, products, stager
 
 # Ping-pong: consumer warpgroup w waits on named barrier TURN + w before it issues a tile's products and
 # then arrives on the next one's; each barrier completes with the waiting warpgroup and the arriving one.
 TURN, TURN_THREADS = 1, 256
-TAIL = 15  # the named barrier of the producer warp that zeroes a packed sequence's last V tile (`zero_tail`)
 
 
 def tensor_map_args(q, k, v, tiles):
@@ -86,8 +85,8 @@ def build(D, tiles, storage, mods=NONE):
     PACKED = mods.packed
     if PACKED and not TMA:  # v4 runs in no plan, and no test runs it on packed sequences
         raise ValueError(f"{tiles}: v4 (a producer without tma) does not take packed (varlen) sequences")
-    sequence = sequences(mods)
-    ATOMS = D // ATOM
+    sequence, starts = sequences(mods), sequence_starts(mods)
+    zero_rows = tail_zeroer(D)
     FULL_ARRIVALS = 1 if TMA else PRODUCER  # one thread issues the bulk copies; every copier arrives otherwise
     stage_q, stage_kv = stager(D, BLOCK_M, PRODUCER), stager(D, BLOCK_N, PRODUCER)
     scores, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage)
@@ -117,19 +116,9 @@ def build(D, tiles, storage, mods=NONE):
         copy_bulk(smem, dst, full, maps, which, head, row, b, rows)
 
     @device_function
-    def starts(mod):
-        # A packed sequence's first query row and key in the packed operands, which its tensor maps address.
-        if PACKED:
-            q_start, _, k_start, _ = sequence(mod, cuda.blockIdx.z)
-            return q_start, k_start
-        return 0, 0
-
-    @device_function
     def tail(n_start, seqlen_k, which):
-        # A packed sequence's V tile that reaches past the sequence: the tensor map spans the packed operand, so
-        # its last rows are the next sequence's, and P's zeros times an inf or NaN there would reach this one's
-        # output. It lands on a barrier of the producer's own and its extra rows are zeroed (`zero_tail`) before
-        # the consumers' full barrier completes. K's extra rows need nothing: the mask overwrites their scores.
+        # A packed sequence's V tile that reaches past the sequence (`pipeline.tail_zeroer`); K's extra rows need
+        # nothing: the mask overwrites their scores.
         return PACKED and TMA and which == 2 and n_start + BLOCK_N > seqlen_k
 
     @device_function
@@ -151,20 +140,11 @@ def build(D, tiles, storage, mods=NONE):
 
     @device_function
     def zero_tail(smem, base, words, it, n_start, seqlen_k, lane):
-        # The producer's first warp zeroes the rows of V's last tile past the sequence (`tail`), 8 bytes a store
-        # (``words`` views the same shared memory as uint64), then releases it to the consumers.
+        # The producer's first warp zeroes the rows of V's last tile past the sequence (`tail`).
         s = it % STAGES
         wait(smem, base + V_TAIL, 0)  # one tail per block
-        first = base + V_AT + s * TILE_N  # in 16-bit elements, a multiple of 4
-        for a in range(ATOMS):  # each row is one 128-byte line of each swizzle atom, whatever the swizzle
-            start, end = (first + a * BLOCK_N * ATOM + (seqlen_k - n_start) * ATOM) // 4, \
-                (first + (a + 1) * BLOCK_N * ATOM) // 4
-            for i in range(start + lane, end, 32):
-                words[i] = types.uint64(0)
-        fence_proxy_async()  # written through the generic proxy, read by wgmma through the async one
-        named_barrier_sync(TAIL, 32)
-        if lane == 0:
-            mbarrier_arrive(smem, base + V_FULL + s * BARRIER_ELEMENTS)
+        zero_rows(words, base + V_AT + s * TILE_N, BLOCK_N, seqlen_k - n_start, lane)
+        hand_over(smem, base + V_FULL + s * BARRIER_ELEMENTS, lane)
 
     @device_function
     def produce(smem, words, base, q, k, v, maps, mod, b, h, hk, row_start, n_base, ntiles, tid, vec, seqlen_k):
@@ -173,7 +153,7 @@ def build(D, tiles, storage, mods=NONE):
         # In the order K, V, K, V the consumers' wait for K took 26% of the warps' stall samples (ncu, d128).
         if TMA and tid >= (32 if PACKED else 1):
             return  # one thread issues the bulk copies (a packed sequence's tail takes its warp)
-        q_start, k_start = starts(mod)
+        q_start, k_start, _ = starts(mod, cuda.blockIdx.z)
         if tid == 0 or not TMA:
             if TMA:
                 for which in range(3):  # Q, K, V
