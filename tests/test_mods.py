@@ -3,8 +3,8 @@
 Three combinations cover flash-attn's built-ins and FlexAttention-style user functions, each against the
 float64 reference extended with the same modifications, under flash-attn's tolerance rule:
 
-* built-ins: softcap with causal, and ALiBi slopes per (batch, head); softcap alone with causal, whose
-  forwards keep tanh scores;
+* built-ins: softcap with causal, and ALiBi slopes per (batch, head); each alone, where the tensor-core
+  forwards take paths of their own;
 * user functions reading ``mod_args``: a relative-position bias table (score_mod, derivative 1) and a
   document mask built from document ids, with query documents that no key belongs to (rows that see no
   key: out 0, LSE -inf);
@@ -127,14 +127,25 @@ def test_wgmma_backward_at_headdim_128_forms_ds_with_p(arrays, poisoned):
                        *arrays)
 
 
+# A built-in modification alone takes a path of its own in the tensor-core forwards (`kernels.softmax`).
+ALONE = {
+    # softcap's scores kept as tanh(x / softcap), the cap folded into the softmax's scale
+    # (`numbaflash.mods.Mods.softcap_alone`), part or all of the exponentials on the FMA pipe in exp2_fma tiles
+    "softcap, causal": (SEQLEN_Q, SEQLEN_K, True, dict(softcap=1.5)),
+    # ALiBi on tiles wholly on one side of a warp's diagonal as a row term plus a constant times the slope: at
+    # 40 x 70 a warp's 16 rows have 16-key tiles below, across and above theirs
+    "ALiBi, 40 x 70": (40, 70, False, dict(alibi_slopes=np.array([0.3, 0.05], np.float32))),
+}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_softcap_alone_with_causal(family, arrays, poisoned):
-    """softcap without ALiBi or a score_mod: the tensor-core forwards keep its scores as tanh(x / softcap) and
-    fold the cap into the softmax's scale (`numbaflash.mods.Mods.softcap_alone`), with part or all of the
-    exponentials on the FMA pipe in ``exp2_fma`` tiles; then the backward from their LSE."""
+@pytest.mark.parametrize("name", ALONE)
+def test_a_built_in_modification_alone(family, name, arrays, poisoned):
+    """Forward in every family, then (mma.sync's) the backward from its LSE."""
     dtype, tiles = FAMILIES[family]
-    case = Case(BATCH, SEQLEN_Q, SEQLEN_K, NHEADS, NHEADS_KV, HEADDIM, dtype, causal=True, logit_scale=2.0, seed=6,
-                modifications=dict(softcap=1.5))
+    seqlen_q, seqlen_k, causal, modifications = ALONE[name]
+    case = Case(BATCH, seqlen_q, seqlen_k, NHEADS, NHEADS_KV, HEADDIM, dtype, causal=causal, logit_scale=2.0, seed=6,
+                modifications=modifications)
     check_forward(case, forward_of(case, tiles), *arrays)
     if family == "mma":
         check_backward(case, numbaflash.attention, numbaflash.attention_backward, *arrays)

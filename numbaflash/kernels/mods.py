@@ -24,6 +24,7 @@ reaches the user's function: ``mask_mod`` and ``score_mod`` see only indices ins
   a score ``x`` in the kernel's units (``s * scale`` with the kernel's scale argument): ``(x, 1)`` without
   modifications, where ``x`` already is a base-2 logit.
 * ``visible(b, h, row, key, bh)``: ``mask_mod``'s verdict (True without one).
+* ``slope(bh)``: the head's ALiBi slope (0 without ALiBi).
 * ``cap(bh)``: softcap's ``(cap, 1 / cap)`` (``(1, 1)`` without), for kernels that keep softcap's scores as
   ``tanh(x / cap)`` and fold the cap into the softmax's scale.
 * ``natural(x)``: ``x`` times what turns the kernel's scale units into natural ones: ln(2) without
@@ -71,6 +72,7 @@ class Modifiers(NamedTuple):
     visible: object
     natural: object
     cap: object
+    slope: object
 
 
 _REGISTERED = set()
@@ -142,6 +144,10 @@ def modifiers(mods, ACC, fast=False):
         @device_function
         def alibi(x, distance, bh):
             return x - bh[SLOPE_AT] * distance
+
+        @device_function
+        def slope(bh):
+            return bh[SLOPE_AT]
     else:
         @device_function
         def slope_values(b, h, mod):
@@ -150,6 +156,10 @@ def modifiers(mods, ACC, fast=False):
         @device_function
         def alibi(x, distance, bh):
             return x
+
+        @device_function
+        def slope(bh):
+            return ACC(0)
 
     if mods.active:
         @device_function
@@ -219,4 +229,4 @@ def modifiers(mods, ACC, fast=False):
     def natural(x):
         return x if MODIFIED else x * LN2
 
-    return Modifiers(MODIFIED, MASKED, prepare, logit, logit2, visible, natural, cap)
+    return Modifiers(MODIFIED, MASKED, prepare, logit, logit2, visible, natural, cap, slope)

@@ -72,11 +72,17 @@ def steps(M, NT, DT, mods=NONE, fma_chunks=0):
     output columns, with the modifications ``mods`` (`numbaflash.mods.Mods`); ``fma_chunks`` of each row's ``NT``
     8-key chunks take their exponentials from `ex2_fma` on the FMA pipe, the rest from ex2."""
     M_ROWS = 2 * M
-    MODIFIED, MASKED, _, logit, _, visible, _, cap_of = modifiers(mods, types.float32, fast=True)
+    modifier = modifiers(mods, types.float32, fast=True)
+    MODIFIED, MASKED, logit, visible = modifier.modified, modifier.masked, modifier.logit, modifier.visible
+    cap_of, slope_of = modifier.cap, modifier.slope
     USER_SCORES = mods.score_mod is not None
     # softcap alone keeps its scores as tanh(scale s / cap) and the softmax's scale takes the cap: two
     # multiplications per score fewer (its forward at headdim 128 ran 3% faster, H200)
     CAPPED = mods.softcap_alone
+    # ALiBi alone on a tile that lies on one side of the diagonal for all the warp's rows: |distance| is
+    # +-distance there, so a score's bias is its row's term plus a constant times the slope (two FMAs a score
+    # instead of a multiplication, an addition with |.| and an FMA)
+    ALIBI_ALONE = mods.alibi and not mods.softcap and not USER_SCORES
     BITS = mods.block_sparse  # a block mask keeps the mask_mod's verdicts on partial tiles as bits
     verdict_word = key_tiles.verdict_word(mods)
 
@@ -104,6 +110,20 @@ def steps(M, NT, DT, mods=NONE, fma_chunks=0):
                 for e in range(4):
                     s[j, e] = tanh_approx(s[j, e] * capped)
             return
+        if ALIBI_ALONE:
+            offset = seqlen_k - seqlen_q  # bottom-right: row i sees key i + offset on the diagonal
+            below = n_start + 8 * NT - 1 <= warp_row + offset  # every key at or left of every row's diagonal
+            if below or n_start >= warp_row + 16 * M - 1 + offset:  # or at or right of it
+                slope = slope_of(bh) if below else -slope_of(bh)
+                for r in range(M_ROWS):
+                    mi, half = r // 2, r % 2
+                    row_bias = -slope * types.float32(warp_row + lane_row(r, g) + offset - n_start - 2 * t)
+                    for j in range(NT):
+                        for e in range(2):
+                            x = mi * NT + j
+                            s[x, 2 * half + e] = (s[x, 2 * half + e] * scale
+                                                  + (slope * types.float32(8 * j + e) + row_bias))
+                return
         for r in range(M_ROWS):
             mi, half = r // 2, r % 2
             row = warp_row + lane_row(r, g)

@@ -233,7 +233,8 @@ def build_dkdv(D, tiles, storage, mods=NONE):
     write_row = patch_writer(TD, VV, COLS_T, from_acc)
     load_rows = _rows_statistics(TQ, ACC)
     tile_count, tile_of, tile_full = query_tiles(mods, BLOCK_K, BLOCK_Q)
-    _, _, prepare, _, logit2, visible, natural, _ = modifiers(mods, ACC)
+    modifier = modifiers(mods, ACC)
+    prepare, logit2, visible, natural = modifier.prepare, modifier.logit2, modifier.visible, modifier.natural
 
     def attention_backward_dkdv(q, k, v, dout, lse, delta, dk, dv, scale_log2, left, right, vec, mod):
         # q, dout: (batch, seqlen_q, nheads, headdim); k, v, dk, dv: (batch, seqlen_k, nheads_kv, headdim)
@@ -338,7 +339,8 @@ def build_dq(D, tiles, storage, mods=NONE):
     write_row = patch_writer(TD, VV, COLS_T, from_acc)
     load_rows = _rows_statistics(TM, ACC)
     tile_count, tile_start, tile_full = key_tiles(mods, BLOCK_M, BLOCK_N)
-    _, _, prepare, _, logit2, visible, natural, _ = modifiers(mods, ACC)
+    modifier = modifiers(mods, ACC)
+    prepare, logit2, visible, natural = modifier.prepare, modifier.logit2, modifier.visible, modifier.natural
 
     def attention_backward_dq(q, k, v, dout, lse, delta, dq, scale_log2, left, right, vec, mod):
         # q, dout, dq: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim)

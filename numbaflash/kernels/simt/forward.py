@@ -61,7 +61,9 @@ def build(D, tiles, storage, mods=NONE):
     (LDQ, LDK, LDV, LDP), (Q_AT, K_AT, V_AT, P_AT, END) = layout(D, tiles)
     ZERO, ONE, NEG_INF, LN2, LOG2E = ACC(0), ACC(1), ACC(-np.inf), ACC(math.log(2.0)), ACC(math.log2(math.e))
     # Unpacked: a kernel calls functions it closes over, not attributes of an object numba cannot type.
-    MODIFIED, MASKED, prepare, logit, _, visible, _, _ = modifiers(mods, ACC)
+    modifier = modifiers(mods, ACC)
+    MODIFIED, MASKED, prepare, logit, visible = (modifier.modified, modifier.masked, modifier.prepare, modifier.logit,
+                                                 modifier.visible)
     tile_count, tile_start, tile_full = key_tiles(mods, BLOCK_M, BLOCK_N)
     SPARSE = mods.block_sparse
     stage_q, _ = stagers(BLOCK_M, D, THREADS, ZERO, to_acc)
