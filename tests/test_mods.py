@@ -141,7 +141,8 @@ ALONE = {
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("name", ALONE)
 def test_a_built_in_modification_alone(family, name, arrays, poisoned):
-    """Forward in every family, then (mma.sync's) the backward from its LSE."""
+    """Forward in every family, then the backward from its LSE in both tensor-core families (the backward's steps
+    take ALiBi alone's one-sided path too, `gradients.alibi_side`)."""
     dtype, tiles = FAMILIES[family]
     seqlen_q, seqlen_k, causal, modifications = ALONE[name]
     case = Case(BATCH, seqlen_q, seqlen_k, NHEADS, NHEADS_KV, HEADDIM, dtype, causal=causal, logit_scale=2.0, seed=6,
@@ -149,6 +150,11 @@ def test_a_built_in_modification_alone(family, name, arrays, poisoned):
     check_forward(case, forward_of(case, tiles), *arrays)
     if family == "mma":
         check_backward(case, numbaflash.attention, numbaflash.attention_backward, *arrays)
+    if family == "wgmma v5":
+        plan = tiling.make_plan(BATCH, NHEADS, NHEADS_KV, seqlen_q, seqlen_k, HEADDIM, dtype, backward=True,
+                                tiles=tiling.SIMULATOR_WGMMA_BACKWARD_TILES)
+        check_backward(case, numbaflash.attention, lambda *a, **kw: numbaflash.attention_backward(*a, plan=plan, **kw),
+                       *arrays)
 
 
 def test_full_tiles_modify_every_score_without_masking(arrays, poisoned):

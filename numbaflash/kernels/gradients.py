@@ -26,6 +26,8 @@ Every step works in base 2 (``scale_log2``); the kernels scale dK and dQ by ln 2
 (`mods`' ``natural``).
 """
 
+import math
+
 from numba import types
 
 from .. import masks
@@ -36,7 +38,26 @@ from .intrinsics import device_function, ex2
 from .mods import modifiers
 from .simt.backward import row_statistics
 
-ZERO = types.float32(0)
+ZERO, LOG2E = types.float32(0), types.float32(math.log2(math.e))
+
+
+def alibi_alone(mods):
+    """Whether ALiBi is a backward's only score modification: then a tile wholly on one side of a warp's diagonal
+    forms each score's bias from a row term and a column term (`alibi_side`), as the forward does
+    (`softmax`), two FMAs a score where |distance| took an addition, two multiplications and an FMA."""
+    return mods.alibi and not mods.softcap and mods.score_mod is None and not guarded(mods)
+
+
+@device_function
+def alibi_side(rows_start, rows_end, cols_start, cols_end, cols_offset):
+    """+1 if every column ``c`` of ``[cols_start, cols_end)`` has ``c + cols_offset`` at or right of every row of
+    ``[rows_start, rows_end)`` (a score's ALiBi distance is ``c + cols_offset - row``), -1 if at or left of it,
+    else 0."""
+    if rows_end - 1 <= cols_start + cols_offset:
+        return 1
+    if rows_start >= cols_end - 1 + cols_offset:
+        return -1
+    return 0
 
 
 def guarded(mods):
@@ -76,6 +97,10 @@ def transposed_steps(M, NT, mods=NONE, fused=False):
     FORM_ALL = MODIFIED and not guarded(mods)
     checked, unchecked = (_transposed_probabilities(M, NT, mods, tested, fused) for tested in (True, False))
     FUSED = fused
+    # Not fused (headdim 128), where the one-sided loop beside the others kept 52 bytes of local memory (ptxas
+    # 13.0) and ALiBi cost 1.03x the plain backward without it (H200)
+    ALIBI = alibi_alone(mods) and not fused
+    sided = _alibi_transposed(M, NT, mods, fused)
 
     @device_function
     def drop_hidden(s, dp, q_start, c0, warp_key, g, t, seqlen_q, seqlen_k, left, right):
@@ -96,8 +121,13 @@ def transposed_steps(M, NT, mods=NONE, fused=False):
         full = masks.tile_is_full(q_start + c0, min(q_end, seqlen_q), key_start, key_end, seqlen_q, seqlen_k, left,
                                   right)
         if FORM_ALL or untested(full, block_full, q_end, seqlen_q):
-            unchecked(s, dp, dlogit, stats, lse_at, delta_at, q_start, c0, warp_key, full, g, t, seqlen_q, seqlen_k,
-                      left, right, scale_log2, b, h, bh, block_full)
+            side = alibi_side(warp_key, warp_key + 16 * M, q_start + c0, q_end, seqlen_k - seqlen_q) if ALIBI else 0
+            if side != 0:
+                sided(s, dp, dlogit, stats, lse_at, delta_at, q_start, c0, warp_key, side, g, t, seqlen_q, seqlen_k,
+                      scale_log2, bh)
+            else:
+                unchecked(s, dp, dlogit, stats, lse_at, delta_at, q_start, c0, warp_key, full, g, t, seqlen_q, seqlen_k,
+                          left, right, scale_log2, b, h, bh, block_full)
             if FORM_ALL and not full:
                 drop_hidden(s, dp, q_start, c0, warp_key, g, t, seqlen_q, seqlen_k, left, right)
         else:
@@ -178,6 +208,8 @@ def row_steps(M, NT, mods=NONE, staged=False):
     untested = untested_tile(mods)
     statistics = staged_statistics if staged else row_statistics(types.float32)
     checked, unchecked = (_row_ds(M, NT, mods, tested) for tested in (True, False))
+    ALIBI = alibi_alone(mods)
+    sided = _alibi_rows(M, NT, mods)
 
     @device_function
     def rows(lse2, dsum, lo_r, hi_r, lse, delta, b, h, warp_row, g, seqlen_q, seqlen_k, left, right):
@@ -191,13 +223,69 @@ def row_steps(M, NT, mods=NONE, staged=False):
     def ds(s, dp, lse2, dsum, lo_r, hi_r, full, warp_row, n_start, g, t, seqlen_q, seqlen_k, scale_log2, b, h, bh,
            block_full, mod, slot, row_start, c0):
         if untested(full, block_full, warp_row + 16 * M, seqlen_q):
-            unchecked(s, dp, lse2, dsum, lo_r, hi_r, warp_row, n_start, g, t, seqlen_q, seqlen_k, scale_log2, b, h, bh,
-                      block_full, mod, slot, row_start, c0)
+            side = (alibi_side(warp_row, warp_row + 16 * M, n_start, n_start + 8 * NT, seqlen_q - seqlen_k) if ALIBI
+                    else 0)
+            if side != 0:
+                sided(s, dp, lse2, dsum, warp_row, n_start, g, t, seqlen_q, seqlen_k, scale_log2, bh, side)
+            else:
+                unchecked(s, dp, lse2, dsum, lo_r, hi_r, warp_row, n_start, g, t, seqlen_q, seqlen_k, scale_log2, b, h,
+                          bh, block_full, mod, slot, row_start, c0)
         else:
             checked(s, dp, lse2, dsum, lo_r, hi_r, warp_row, n_start, g, t, seqlen_q, seqlen_k, scale_log2, b, h, bh,
                     block_full, mod, slot, row_start, c0)
 
     return rows, ds
+
+
+def _alibi_transposed(M, NT, mods, FUSED):
+    """`transposed_steps`' P^T loop for ALiBi alone on a tile on one ``side`` of the warp's diagonal
+    (`alibi_side`): the bias of key row ``r`` and query column ``c`` is ``slope side (r - Q_c)`` with ``Q_c``
+    the column's distance from the warp's first key, kept with the column's LSE."""
+    M_ROWS = 2 * M
+    slope_of = modifiers(mods, types.float32, fast=True).slope
+    ONE = types.float32(1)
+
+    @device_function
+    def loop(s, dp, dlogit, stats, lse_at, delta_at, q_start, c0, warp_key, side, g, t, seqlen_q, seqlen_k, scale, bh):
+        slope2, scale2 = slope_of(bh) * LOG2E * types.float32(side), scale * LOG2E
+        first = types.float32(q_start + c0 + 2 * t + seqlen_k - seqlen_q - warp_key)  # the lane's first Q_c
+        lse_lane = types.uint64(lse_at + c0 + 2 * t)  # unsigned: `_transposed_probabilities`' reason
+        for j in range(NT):
+            for e in range(2):
+                column = slope2 * (first + types.float32(8 * j + e)) + stats[lse_lane + types.uint64(8 * j + e)]
+                dsum = stats[delta_at + c0 + 8 * j + 2 * t + e] if FUSED else ZERO
+                for r in range(M_ROWS):
+                    x, at = (r // 2) * NT + j, 2 * (r % 2) + e
+                    p = ex2(s[x, at] * scale2 + (slope2 * types.float32(lane_row(r, g)) - column))
+                    s[x, at] = p
+                    if FUSED:
+                        dp[x, at] = p * (dp[x, at] - dsum)
+                    else:
+                        dlogit[x, at] = ONE
+
+    return loop
+
+
+def _alibi_rows(M, NT, mods):
+    """`row_steps`' dS loop for ALiBi alone on a tile on one ``side`` of the warp's diagonal (`alibi_side`): the
+    bias of row ``r`` and key column ``c`` is ``slope side (R_r - c)`` with ``R_r`` the row's distance from the
+    lane's first key, kept with the row's LSE."""
+    M_ROWS = 2 * M
+    slope_of = modifiers(mods, types.float32, fast=True).slope
+
+    @device_function
+    def loop(s, dp, lse2, dsum, warp_row, n_start, g, t, seqlen_q, seqlen_k, scale, bh, side):
+        slope2, scale2 = slope_of(bh) * LOG2E * types.float32(side), scale * LOG2E
+        for r in range(M_ROWS):
+            mi, half = r // 2, r % 2
+            row = slope2 * types.float32(warp_row + lane_row(r, g) + seqlen_k - seqlen_q - n_start - 2 * t) - lse2[r]
+            for j in range(NT):
+                for e in range(2):
+                    x = mi * NT + j
+                    dp[x, 2 * half + e] = (ex2(s[x, 2 * half + e] * scale2 + (row - slope2 * types.float32(8 * j + e)))
+                                           * (dp[x, 2 * half + e] - dsum[r]))
+
+    return loop
 
 
 def _row_ds(M, NT, mods, TESTED):
