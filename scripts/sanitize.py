@@ -73,9 +73,9 @@ def grid():
                         block_mask=modifications["block_mask"], causal=True)
         out, lse = numbaflash.attention(q, k, v, return_lse=True, **built_in)
         numbaflash.attention_backward(dout, q, k, v, out, lse, **built_in)
-        # Packed sequences (varlen), causal, head dims 40 and 64 (on Hopper the wgmma v3 forward, which
-        # varlen runs at 64 too): one with no queries, one with no keys, one shorter than a tile; a block
-        # reads and writes its own sequence's rows only.
+        # Packed sequences (varlen), causal, head dims 40 and 64 (on Hopper v5 both ways, whose producers zero
+        # the rows past a sequence in its last tiles): one with no queries, one with no keys, one shorter than
+        # a tile; a block reads and writes its own sequence's rows only.
         seqlens_q, seqlens_k = [70, 0, 5, 33, 9], [40, 7, 0, 70, 3]
         cu_q, cu_k = (cupy.asarray(np.concatenate([[0], np.cumsum(n)]).astype(np.int32)) for n in (seqlens_q, seqlens_k))
         for d in (40, 64):

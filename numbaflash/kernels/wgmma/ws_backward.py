@@ -28,6 +28,11 @@ On the H100 (fp16 and bf16, N = 2048 to 16384, causal and not; scripts/bench.py)
 1.22-1.51x SDPA flash's backward at headdim 128 and 0.89-1.19x at 64, against mma.sync's 0.51-0.63x
 before the steps skipped their per-score tests on whole tiles; the atomic dQ 0.82-1.02x at 64 (fp16), so
 no plan picks it by itself (`tiling.WGMMA_ATOMIC_DQ_HEADDIMS`); `tiling` keeps the tile comparison.
+
+Packed (varlen) sequences run both deterministic passes (not the atomic dQ): the copies start at the block's
+sequence's rows, the staged stats at its segment (`sequences.stats_start`), and the streamed tiles that reach
+past the sequence (Q and dO in the dK/dV pass, K and V in the dQ pass) have the next sequence's rows zeroed by
+the producer's first warp (`pipeline.tail_zeroer`).
 """
 
 import math

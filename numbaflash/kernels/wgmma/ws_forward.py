@@ -29,6 +29,11 @@ while one runs its softmax on the CUDA cores the tensor cores work through the o
 last consumer's first arrival lets the first go; its last arrival is left out, since no turn waits for
 it (a barrier left half-arrived at exit). Every consumer of a block visits the same key tiles, so their
 turns pair up.
+
+Packed (varlen) sequences run v5 (not v4): the tensor maps span the packed operands, a block's copies start at
+its sequence's rows (`sequences.sequence_starts`), and the last V tile of a sequence that ends inside it has
+the next sequence's rows zeroed by the producer's first warp before the consumers take it
+(`pipeline.tail_zeroer`).
 """
 
 from numba import cuda, types
