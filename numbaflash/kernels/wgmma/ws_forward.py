@@ -135,7 +135,7 @@ def build(D, tiles, storage, mods=NONE):
         n_start = tile_start(mod, b, h, row_start, n_base, it)  # a block mask's table read while the stage drains
         wait(smem, base + empty + s * BARRIER_ELEMENTS, parity)
         if TMA:
-            # a packed operand's map is one sequence of all the rows (`tensor_maps.spec`): its batch index is 0
+            # a packed operand's map holds all its rows as one batch element (`tensor_maps.spec`): index 0
             landed_on = base + (V_TAIL if tail(n_start, seqlen_k, which) else full + s * BARRIER_ELEMENTS)
             copy_tile(smem, base + at + s * TILE_N, landed_on, maps, which, hk, k_start + n_start,
                       0 if PACKED else b, BLOCK_N)
