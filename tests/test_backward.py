@@ -1,5 +1,7 @@
 """The backward kernels against the float64 reference, finite differences, and determinism."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -144,9 +146,20 @@ def test_hopper_backward_plans():
         assert plan.kernel == "wgmma_tma_backward" and plan.tiles == tiling.WGMMA_BACKWARD_TILES[D]
         assert [launch.threads for launch in plan.launches[1:]] == [384, 384]
         assert plan.launches[1].grid == (2, 2, 2) and plan.launches[2].grid == (3, 4, 2)  # 128 keys, 128 rows a block
-    for options, why in (({"aligned": False}, "not 16-byte aligned"), ({"packed": True}, "packed (varlen)")):
-        plan = tiling.make_plan(*shape, 64, "float16", backward=True, device=HOPPER, **options)
-        assert plan.kernel == "mma_backward" and why in plan.reason and "wgmma backward (v5)" in plan.reason
+    unaligned = tiling.make_plan(*shape, 64, "float16", backward=True, device=HOPPER, aligned=False)
+    assert (unaligned.kernel == "mma_backward" and "not 16-byte aligned" in unaligned.reason
+            and "wgmma backward (v5)" in unaligned.reason)
+    packed = tiling.make_plan(*shape, 64, "float16", backward=True, device=HOPPER, packed=True)  # v5 takes varlen
+    assert packed.kernel == "wgmma_tma_backward" and packed.staged_statistics
+    # Each sequence's statistics, padded to whole tiles, in a segment of its own inside the workspace
+    from numbaflash.kernels.sequences import stats_start
+
+    cu_seqlens_q, whole = (0, 300, 301, 1000), 128  # lcm of the tiles' 128 and 64 rows
+    rows = tiling.packed_delta_shape(dataclasses.replace(packed, batch=3), cu_seqlens_q[-1])[-1]
+    segments = [(stats_start(cu_seqlens_q[b], b, whole), -(-(cu_seqlens_q[b + 1] - cu_seqlens_q[b]) // whole) * whole)
+                for b in range(3)]
+    assert all(start % 4 == 0 for start, _ in segments)  # 16-byte aligned for the bulk copies
+    assert all(a + n <= b for (a, n), (b, _) in zip(segments, segments[1:])) and segments[-1][0] + segments[-1][1] <= rows
     plan = tiling.make_plan(*shape, 32, "float16", backward=True, device=HOPPER)
     assert plan.kernel == "mma_backward" and "starts at headdim 33" in plan.reason
     device = tiling.current_device()  # the simulator's plans keep mma.sync
@@ -160,8 +173,7 @@ def test_wgmma_backward_refuses_what_it_cannot_run():
                          (tiling.WgmmaTiles(128, 64, 2, producer=True), "tma=True"),
                          (tiling.WgmmaTiles(128, 64, 2, pingpong=True, **producer), "without ping-pong"),
                          (tiling.WgmmaTiles(192, 64, 3, **producer), "1 or 2 consumer warpgroups"),
-                         (tiling.WgmmaTiles(64, 64, 1), "packed"),
-                         (tiling.WGMMA_BACKWARD_TILES[64], "packed")):
+                         (tiling.WgmmaTiles(64, 64, 1), "packed")):
         with pytest.raises(ValueError, match=match):
             tiling.make_plan(1, 2, 2, 64, 64, 64, "float16", backward=True, tiles=tiles, packed=match == "packed")
     with pytest.raises(ValueError, match="bulk tensor copy engine"):

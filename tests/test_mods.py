@@ -138,11 +138,18 @@ ALONE = {
 }
 
 
+# On the simulator mma.sync (forward and backward) and one v5 forward take these paths: the other tensor-core
+# forwards share `kernels.softmax`, the v5 backward `kernels.gradients`, with mma.sync. A GPU runs every family.
+SIMULATED_ALONE = ("mma", "wgmma v5, ex2 on FMA")
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("name", ALONE)
-def test_a_built_in_modification_alone(family, name, arrays, poisoned):
+def test_a_built_in_modification_alone(family, name, arrays, poisoned, mode):
     """Forward in every family, then the backward from its LSE in both tensor-core families (the backward's steps
     take ALiBi alone's one-sided path too, `gradients.alibi_side`)."""
+    if mode == "simulator" and family not in SIMULATED_ALONE:
+        pytest.skip("on the simulator mma.sync and one v5 forward run it (SIMULATED_ALONE); pytest -m gpu runs all")
     dtype, tiles = FAMILIES[family]
     seqlen_q, seqlen_k, causal, modifications = ALONE[name]
     case = Case(BATCH, seqlen_q, seqlen_k, NHEADS, NHEADS_KV, HEADDIM, dtype, causal=causal, logit_scale=2.0, seed=6,
