@@ -75,6 +75,12 @@ class Mods:
         return self.softcap and not self.alibi and self.score_mod is None
 
     @property
+    def alibi_alone(self):
+        """ALiBi without softcap or a score_mod: on a tile wholly on one side of a warp's diagonal the kernels form
+        each score's bias from a row term and a column term (`kernels.mods.alibi_side`)."""
+        return self.alibi and not self.softcap and self.score_mod is None
+
+    @property
     def user_functions(self):
         """The user's functions, which the disk cache cannot key (their globals may change): such kernels
         are compiled once per process instead."""

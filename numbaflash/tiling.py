@@ -6,7 +6,6 @@ Computed in one place from the shapes, the dtype and the device, and used by the
 
 import dataclasses
 import functools
-import math
 from dataclasses import dataclass
 
 from .kernels.intrinsics import SIMULATOR
@@ -546,14 +545,16 @@ def _staged_statistics(tiles):
 def packed_delta_shape(plan, total_q):
     """The staged statistics of a varlen backward that has them (`Plan.staged_statistics`): ``(1, nheads, 2,
     rows)``, each packed sequence's rows padded to whole tiles from `kernels.sequences.stats_start` on."""
-    from .kernels.sequences import stats_start
+    from .kernels.sequences import stats_start, stats_tile_rows
 
-    return (1, plan.nheads, 2, stats_start(total_q, plan.batch, math.lcm(plan.tiles.block_m, plan.tiles.block_n)))
+    return (1, plan.nheads, 2, stats_start(total_q, plan.batch, stats_tile_rows(plan.tiles)))
 
 
 def _padded_rows(seqlen_q, tiles):
     """Query rows rounded up to whole tiles of both backward passes (the staged ``stats``' last axis)."""
-    whole = math.lcm(tiles.block_m, tiles.block_n)
+    from .kernels.sequences import stats_tile_rows
+
+    whole = stats_tile_rows(tiles)
     return _cdiv(seqlen_q, whole) * whole
 
 

@@ -35,29 +35,10 @@ from ..mods import NONE
 from . import key_tiles
 from .fragments import lane_row
 from .intrinsics import device_function, ex2
-from .mods import modifiers
+from .mods import alibi_side, modifiers
 from .simt.backward import row_statistics
 
 ZERO, LOG2E = types.float32(0), types.float32(math.log2(math.e))
-
-
-def alibi_alone(mods):
-    """Whether ALiBi is a backward's only score modification: then a tile wholly on one side of a warp's diagonal
-    forms each score's bias from a row term and a column term (`alibi_side`), as the forward does
-    (`softmax`), two FMAs a score where |distance| took an addition, two multiplications and an FMA."""
-    return mods.alibi and not mods.softcap and mods.score_mod is None and not guarded(mods)
-
-
-@device_function
-def alibi_side(rows_start, rows_end, cols_start, cols_end, cols_offset):
-    """+1 if every column ``c`` of ``[cols_start, cols_end)`` has ``c + cols_offset`` at or right of every row of
-    ``[rows_start, rows_end)`` (a score's ALiBi distance is ``c + cols_offset - row``), -1 if at or left of it,
-    else 0."""
-    if rows_end - 1 <= cols_start + cols_offset:
-        return 1
-    if rows_start >= cols_end - 1 + cols_offset:
-        return -1
-    return 0
 
 
 def guarded(mods):
@@ -99,7 +80,7 @@ def transposed_steps(M, NT, mods=NONE, fused=False):
     FUSED = fused
     # Not fused (headdim 128), where the one-sided loop beside the others kept 52 bytes of local memory (ptxas
     # 13.0) and ALiBi cost 1.03x the plain backward without it (H200)
-    ALIBI = alibi_alone(mods) and not fused
+    ALIBI = mods.alibi_alone and not guarded(mods) and not fused
     sided = _alibi_transposed(M, NT, mods, fused)
 
     @device_function
@@ -208,7 +189,8 @@ def row_steps(M, NT, mods=NONE, staged=False):
     untested = untested_tile(mods)
     statistics = staged_statistics if staged else row_statistics(types.float32)
     checked, unchecked = (_row_ds(M, NT, mods, tested) for tested in (True, False))
-    ALIBI = alibi_alone(mods)
+    # ALiBi alone on a tile on one side of the warp's diagonal (`alibi_side`); the user's mask_mod keeps the tests
+    ALIBI = mods.alibi_alone and not guarded(mods)
     sided = _alibi_rows(M, NT, mods)
 
     @device_function

@@ -43,6 +43,20 @@ from numba.np.numpy_support import from_dtype
 from .intrinsics import device_function, tanh_approx
 
 
+@device_function
+def alibi_side(rows_start, rows_end, cols_start, cols_end, cols_offset):
+    """+1 if every column ``c`` of ``[cols_start, cols_end)`` has ``c + cols_offset`` at or right of every row of
+    ``[rows_start, rows_end)``, -1 if at or left of it, else 0. With a score's ALiBi distance ``D = c +
+    cols_offset - row`` a tile of side ``s != 0`` has ``|D| = s D``: its bias is a row term plus a column term
+    (`numbaflash.mods.Mods.alibi_alone`), two FMAs a score where ``|D|`` took a multiplication, an addition and
+    an FMA."""
+    if rows_end - 1 <= cols_start + cols_offset:
+        return 1
+    if rows_start >= cols_end - 1 + cols_offset:
+        return -1
+    return 0
+
+
 def kernel_type(mods, ACC):
     """The numba type of the ``mod`` argument of a kernel accumulating in ``ACC``."""
     # A block mask's (table, bits) (`block_sparsity.BlockMask.key_tiles`), C-contiguous as it makes them, so that

@@ -24,7 +24,15 @@ b, whole)``: aligned to 4 floats, and ``whole + 4`` rows per sequence before it 
 padding; ``stats_start(total_q, num_sequences, whole)`` rows hold them all.
 """
 
+import math
+
 from .intrinsics import device_function
+
+
+def stats_tile_rows(tiles):
+    """The rows a staged ``stats`` pads each sequence (or batch element) to: whole tiles of both backward passes,
+    whose blocks own ``block_m`` rows and stream ``block_n``."""
+    return math.lcm(tiles.block_m, tiles.block_n)
 
 
 @device_function
@@ -35,20 +43,22 @@ def stats_start(q_start, b, whole):
 
 
 def sequence_starts(mods, whole=1):
-    """``starts(mod, b)``: packed sequence ``b``'s first query row and first key in the packed operands, and its
-    first row in a staged ``stats`` of ``whole``-row tiles (`stats_start`); zeros without packed sequences (the
-    bulk copies of the v5 kernels address the packed operands through one tensor map)."""
+    """``starts(mod, b)``: where the v5 kernels' bulk copies find batch element (or packed sequence) ``b``:
+    ``(q_start, k_start, stats_first, at)``, its first query row and first key, its first row in a staged
+    ``stats`` of ``whole``-row tiles (`stats_start`), and the batch index the tensor maps and ``stats`` take.
+    A packed sequence's operands are one tensor map's rows (`wgmma.tensor_maps.spec`), so ``at`` is 0 and the
+    rest its offsets; a batch element's are ``(0, 0, 0, b)``."""
     sequence = sequences(mods)
 
     if mods.packed:
         @device_function
         def starts(mod, b):
             q_start, _, k_start, _ = sequence(mod, b)
-            return q_start, k_start, stats_start(q_start, b, whole)
+            return q_start, k_start, stats_start(q_start, b, whole), 0
     else:
         @device_function
         def starts(mod, b):
-            return 0, 0, 0
+            return 0, 0, 0, b
 
     return starts
 

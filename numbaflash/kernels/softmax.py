@@ -47,7 +47,7 @@ from ..mods import NONE
 from .intrinsics import device_function, ex2, ex2_fma, group_max, group_sum, tanh_approx
 from . import key_tiles
 from .fragments import fill, lane_row
-from .mods import modifiers
+from .mods import alibi_side, modifiers
 
 ZERO, ONE, NEG_INF, LN2 = np.float32(0), np.float32(1), np.float32(-np.inf), np.float32(math.log(2.0))
 LOG2E = np.float32(math.log2(math.e))
@@ -79,10 +79,7 @@ def steps(M, NT, DT, mods=NONE, fma_chunks=0):
     # softcap alone keeps its scores as tanh(scale s / cap) and the softmax's scale takes the cap: two
     # multiplications per score fewer (its forward at headdim 128 ran 3% faster, H200)
     CAPPED = mods.softcap_alone
-    # ALiBi alone on a tile that lies on one side of the diagonal for all the warp's rows: |distance| is
-    # +-distance there, so a score's bias is its row's term plus a constant times the slope (two FMAs a score
-    # instead of a multiplication, an addition with |.| and an FMA)
-    ALIBI_ALONE = mods.alibi and not mods.softcap and not USER_SCORES
+    ALIBI_ALONE = mods.alibi_alone  # its tiles on one side of a warp's diagonal: `kernels.mods.alibi_side`
     BITS = mods.block_sparse  # a block mask keeps the mask_mod's verdicts on partial tiles as bits
     verdict_word = key_tiles.verdict_word(mods)
 
@@ -111,18 +108,19 @@ def steps(M, NT, DT, mods=NONE, fma_chunks=0):
                     s[j, e] = tanh_approx(s[j, e] * capped)
             return
         if ALIBI_ALONE:
-            offset = seqlen_k - seqlen_q  # bottom-right: row i sees key i + offset on the diagonal
-            below = n_start + 8 * NT - 1 <= warp_row + offset  # every key at or left of every row's diagonal
-            if below or n_start >= warp_row + 16 * M - 1 + offset:  # or at or right of it
-                slope = slope_of(bh) if below else -slope_of(bh)
+            # distance D = key - (row + seqlen_k - seqlen_q); on a side s != 0 the bias -slope |D| is
+            # slope s (R - c) with R the row's distance from the lane's first key and c the column's from it
+            side = alibi_side(warp_row, warp_row + 16 * M, n_start, n_start + 8 * NT, seqlen_q - seqlen_k)
+            if side != 0:
+                slope = slope_of(bh) * types.float32(side)
                 for r in range(M_ROWS):
                     mi, half = r // 2, r % 2
-                    row_bias = -slope * types.float32(warp_row + lane_row(r, g) + offset - n_start - 2 * t)
+                    row_bias = slope * types.float32(warp_row + lane_row(r, g) + seqlen_k - seqlen_q - n_start - 2 * t)
                     for j in range(NT):
                         for e in range(2):
                             x = mi * NT + j
                             s[x, 2 * half + e] = (s[x, 2 * half + e] * scale
-                                                  + (slope * types.float32(8 * j + e) + row_bias))
+                                                  + (row_bias - slope * types.float32(8 * j + e)))
                 return
         for r in range(M_ROWS):
             mi, half = r // 2, r % 2

@@ -37,7 +37,7 @@ from ..fragments import fill
 from ..key_tiles import key_tiles
 from ..mods import kernel_type, modifiers
 from ..query_tiles import query_tiles
-from ..sequences import sequences, stats_start
+from ..sequences import sequences, stats_start, stats_tile_rows
 from .tiles import in_parts, outer_product, patch_writer, stagers, vector_width
 
 PREPROCESS_ROWS = 8  # query rows per block of the preprocess kernel: one warp each
@@ -153,7 +153,7 @@ def build_staged_preprocess(D, tiles, storage, mods=NONE):
     signature = (storage_type, storage_type, types.Array(ACC, 3, "A"), types.Array(ACC, 4, "C"))
     rowsum, lse2 = _rowsum(ACC, to_acc), log2_lse(ACC)
     PACKED, sequence = mods.packed, sequences(mods)
-    WHOLE = math.lcm(tiles.block_m, tiles.block_n)
+    WHOLE = stats_tile_rows(tiles)
 
     @device_function
     def staged_rows(out, dout, lse, stats, mod):

@@ -35,8 +35,6 @@ past the sequence (Q and dO in the dK/dV pass, K and V in the dQ pass) have the 
 the producer's first warp (`pipeline.tail_zeroer`).
 """
 
-import math
-
 from numba import cuda, types
 
 from ...mods import NONE
@@ -51,7 +49,7 @@ from ..mods import modifiers
 from ..query_tiles import query_tiles
 from . import tensor_maps
 from .backward import dkdv_step, dq_step
-from ..sequences import sequence_starts, sequences
+from ..sequences import sequence_starts, sequences, stats_tile_rows
 from .pipeline import (BARRIER_ELEMENTS, PRODUCER, bulk_copier, check_registers, hand_over, release, tail_zeroer,
                        wait)
 from .tiles import ALIGN, ATOM, advance, aligned_base, operand
@@ -184,7 +182,7 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
     PACKED = mods.packed
     if PACKED and accumulate_dq:
         raise ValueError(f"{tiles}: the atomic dQ does not take packed (varlen) sequences")
-    starts = sequence_starts(mods, math.lcm(BLOCK_M, BLOCK_N))
+    starts = sequence_starts(mods, stats_tile_rows(tiles))
     sequence = sequences(mods)
     zero_rows = tail_zeroer(D)
     TILE = BLOCK_N * D  # elements of one Q or dO stage
@@ -203,20 +201,18 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
     ZERO, ONE = types.float32(0), types.float32(1)
 
     @device_function
-    def copy_query_tile(smem, base, delta, maps, b, h, q_start, it, q_seq, stats_first, landed):
+    def copy_query_tile(smem, base, delta, maps, h, q_start, it, q_seq, stats_first, at, landed):
         # Query tile it (head h, from row q_start)'s Q and dO, and its LSE and D, into its stage, landing on
-        # ``landed`` (the stage's full mbarrier, or a packed sequence's tail's). A packed sequence's rows are at
-        # q_seq on in its operands, and stats_first on in the staged stats (`sequences.stats_start`).
+        # ``landed`` (the stage's full mbarrier, or a packed sequence's tail's); q_seq, stats_first, at: where the
+        # block's sequence lies in the operands and the staged stats (`sequences.sequence_starts`).
         s = it % STAGES
-        at_b = 0 if PACKED else b  # a packed operand's map, and its stats, are one batch element
         mbarrier_arrive_expect_tx(smem, landed, 2 * 2 * BLOCK_N * D + STATS_BYTES)
-        copy_tile(smem, base + Q_AT + s * TILE, landed, maps, 0, h, q_seq + q_start, at_b, BLOCK_N)
-        copy_tile(smem, base + DO_AT + s * TILE, landed, maps, 1, h, q_seq + q_start, at_b, BLOCK_N)
+        copy_tile(smem, base + Q_AT + s * TILE, landed, maps, 0, h, q_seq + q_start, at, BLOCK_N)
+        copy_tile(smem, base + DO_AT + s * TILE, landed, maps, 1, h, q_seq + q_start, at, BLOCK_N)
         # The tile's LSE, then its D (float32: two 16-bit elements each), as the consumers read them.
         stats_at = base + STATS_AT + s * 4 * BLOCK_N
-        bulk_load(smem, stats_at, delta, (at_b, h, 0, stats_first + q_start), STATS_BYTES // 2, landed)
-        bulk_load(smem, stats_at + 2 * BLOCK_N, delta, (at_b, h, 1, stats_first + q_start), STATS_BYTES // 2,
-                  landed)
+        bulk_load(smem, stats_at, delta, (at, h, 0, stats_first + q_start), STATS_BYTES // 2, landed)
+        bulk_load(smem, stats_at + 2 * BLOCK_N, delta, (at, h, 1, stats_first + q_start), STATS_BYTES // 2, landed)
 
     @device_function
     def release_barrier(wg, it):
@@ -235,13 +231,13 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
     def produce(smem, words, base, delta, maps, mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, ntiles, lane):
         # By the producer's first warp: its lane 0 issues the copies, the whole warp joins the consumers' barriers
         # (and zeroes a packed sequence's last query tiles' extra rows, `pipeline.tail_zeroer`).
-        q_seq, k_seq, stats_first = starts(mod, b)
+        q_seq, k_seq, stats_first, at = starts(mod, b)
         if lane == 0:
             for which in range(4):  # Q, dO, K, V
                 tensormap_acquire(maps, which)
             mbarrier_arrive_expect_tx(smem, base + KV_FULL, 2 * 2 * BLOCK_M * D)
-            copy_tile(smem, base + K_AT, base + KV_FULL, maps, 2, hk, k_seq + key_start, 0 if PACKED else b, BLOCK_M)
-            copy_tile(smem, base + V_AT, base + KV_FULL, maps, 3, hk, k_seq + key_start, 0 if PACKED else b, BLOCK_M)
+            copy_tile(smem, base + K_AT, base + KV_FULL, maps, 2, hk, k_seq + key_start, at, BLOCK_M)
+            copy_tile(smem, base + V_AT, base + KV_FULL, maps, 3, hk, k_seq + key_start, at, BLOCK_M)
         tails = 0  # one per query head of the group: the tail mbarrier's phases
         for it in range(ntiles):
             # A block mask's table is read while the consumers finish the stage's last tile.
@@ -252,7 +248,7 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
             full = base + FULL + s * BARRIER_ELEMENTS
             tail = PACKED and q_start + BLOCK_N > seqlen_q
             if lane == 0:
-                copy_query_tile(smem, base, delta, maps, b, h, q_start, it, q_seq, stats_first,
+                copy_query_tile(smem, base, delta, maps, h, q_start, it, q_seq, stats_first, at,
                                 base + TAIL if tail else full)
             if tail:
                 wait(smem, base + TAIL, tails & 1)
@@ -381,7 +377,7 @@ def build_dq(D, tiles, storage, mods=NONE):
     QDO_FULL, FULL, EMPTY = BAR_AT, BAR_AT + BARRIER_ELEMENTS, BAR_AT + (1 + STAGES) * BARRIER_ELEMENTS
     TAIL = BAR_AT + (1 + 2 * STAGES) * BARRIER_ELEMENTS
     PACKED = mods.packed
-    starts = sequence_starts(mods, math.lcm(BLOCK_M, BLOCK_N))
+    starts = sequence_starts(mods, stats_tile_rows(tiles))
     sequence = sequences(mods)
     zero_rows = tail_zeroer(D)
     TILE = BLOCK_N * D  # elements of one K or V stage
@@ -401,14 +397,13 @@ def build_dq(D, tiles, storage, mods=NONE):
         # Lane 0 issues the copies; with packed sequences the whole first warp runs it, and zeroes the extra rows
         # of the sequence's last key tile (`pipeline.tail_zeroer`): dQ = dS K would take an inf there times a
         # zero dS.
-        q_seq, k_seq, _ = starts(mod, b)
-        at_b = 0 if PACKED else b  # a packed operand's map is one batch element
+        q_seq, k_seq, _, at = starts(mod, b)
         if lane == 0:
             for which in range(4):  # Q, dO, K, V
                 tensormap_acquire(maps, which)
             mbarrier_arrive_expect_tx(smem, base + QDO_FULL, 2 * 2 * BLOCK_M * D)
-            copy_tile(smem, base + Q_AT, base + QDO_FULL, maps, 0, h, q_seq + row_start, at_b, BLOCK_M)
-            copy_tile(smem, base + DO_AT, base + QDO_FULL, maps, 1, h, q_seq + row_start, at_b, BLOCK_M)
+            copy_tile(smem, base + Q_AT, base + QDO_FULL, maps, 0, h, q_seq + row_start, at, BLOCK_M)
+            copy_tile(smem, base + DO_AT, base + QDO_FULL, maps, 1, h, q_seq + row_start, at, BLOCK_M)
         for it in range(ntiles):
             s = it % STAGES
             n_start = tile_start(mod, b, h, row_start, n_base, it)  # a block mask's table read while the stage drains
@@ -418,8 +413,8 @@ def build_dq(D, tiles, storage, mods=NONE):
             landed = base + TAIL if tail else full
             if lane == 0:
                 mbarrier_arrive_expect_tx(smem, landed, 2 * 2 * BLOCK_N * D)
-                copy_tile(smem, base + K_AT + s * TILE, landed, maps, 2, hk, k_seq + n_start, at_b, BLOCK_N)
-                copy_tile(smem, base + V_AT + s * TILE, landed, maps, 3, hk, k_seq + n_start, at_b, BLOCK_N)
+                copy_tile(smem, base + K_AT + s * TILE, landed, maps, 2, hk, k_seq + n_start, at, BLOCK_N)
+                copy_tile(smem, base + V_AT + s * TILE, landed, maps, 3, hk, k_seq + n_start, at, BLOCK_N)
             if tail:  # the last tile: one per block
                 wait(smem, base + TAIL, 0)
                 zero_rows(words, base + K_AT + s * TILE, BLOCK_N, seqlen_k - n_start, lane)
@@ -471,9 +466,9 @@ def build_dq(D, tiles, storage, mods=NONE):
             dsum = cuda.local.array(2, types.float32)
             lo_r = cuda.local.array(2, types.int64)
             hi_r = cuda.local.array(2, types.int64)
-            _, _, stats_first = starts(mod, b)  # a packed sequence's rows in the stats' one batch element
-            rows(lse2, dsum, lo_r, hi_r, lse, delta[:, :, :, stats_first:], 0 if PACKED else b, h, warp_row, g,
-                 seqlen_q, seqlen_k, left, right)
+            _, _, stats_first, at = starts(mod, b)  # a packed sequence's rows in the stats' one batch element
+            rows(lse2, dsum, lo_r, hi_r, lse, delta[:, :, :, stats_first:], at, h, warp_row, g, seqlen_q, seqlen_k,
+                 left, right)
             # A: the warpgroup's 64 rows of Q and dO; B: the streamed K (K-major for S, MN-major for dQ) and V.
             descs = operands(shared_address(smem, base), Q_AT, DO_AT, K_AT, V_AT, wg)
             s = cuda.local.array((NT, 4), types.float32)  # S: 64 rows x BLOCK_N keys per warpgroup

@@ -128,17 +128,15 @@ def build(D, tiles, storage, mods=NONE):
 
     @device_function
     def load_tile(smem, base, at, full, empty, it, src, maps, which, mod, b, h, hk, row_start, n_base, tid, vec,
-                  k_start, seqlen_k):
+                  k_start, map_b, seqlen_k):
         # Tile `it` of K (which 1) or V (which 2) into its ring stage, once the consumers have emptied it (the
         # first round finds every stage empty): bulk tensor copies with TMA, else the producer's cp.async.
         s, parity = it % STAGES, ((it // STAGES) & 1) ^ 1
         n_start = tile_start(mod, b, h, row_start, n_base, it)  # a block mask's table read while the stage drains
         wait(smem, base + empty + s * BARRIER_ELEMENTS, parity)
         if TMA:
-            # a packed operand's map holds all its rows as one batch element (`tensor_maps.spec`): index 0
             landed_on = base + (V_TAIL if tail(n_start, seqlen_k, which) else full + s * BARRIER_ELEMENTS)
-            copy_tile(smem, base + at + s * TILE_N, landed_on, maps, which, hk, k_start + n_start,
-                      0 if PACKED else b, BLOCK_N)
+            copy_tile(smem, base + at + s * TILE_N, landed_on, maps, which, hk, k_start + n_start, map_b, BLOCK_N)
         else:
             stage_kv(smem, base + at + s * TILE_N, src, b, n_start, hk, tid, vec)
             landed(smem, base + full + s * BARRIER_ELEMENTS, vec)
@@ -158,23 +156,22 @@ def build(D, tiles, storage, mods=NONE):
         # In the order K, V, K, V the consumers' wait for K took 26% of the warps' stall samples (ncu, d128).
         if TMA and tid >= (32 if PACKED else 1):
             return  # one thread issues the bulk copies (a packed sequence's tail takes its warp)
-        q_start, k_start, _ = starts(mod, cuda.blockIdx.z)
+        q_start, k_start, _, map_b = starts(mod, b)  # where the maps find the block's sequence
         if tid == 0 or not TMA:
             if TMA:
                 for which in range(3):  # Q, K, V
                     tensormap_acquire(maps, which)
-                copy_tile(smem, base + Q_AT, base + Q_FULL, maps, 0, h, q_start + row_start, 0 if PACKED else b,
-                          BLOCK_M)
+                copy_tile(smem, base + Q_AT, base + Q_FULL, maps, 0, h, q_start + row_start, map_b, BLOCK_M)
             else:
                 stage_q(smem, base + Q_AT, q, b, row_start, h, tid, vec)
                 landed(smem, base + Q_FULL, vec)
             for it in range(-1, ntiles):
                 if it + 1 < ntiles:
                     load_tile(smem, base, K_AT, K_FULL, K_EMPTY, it + 1, k, maps, 1, mod, b, h, hk, row_start, n_base,
-                              tid, vec, k_start, seqlen_k)
+                              tid, vec, k_start, map_b, seqlen_k)
                 if it >= 0:
                     load_tile(smem, base, V_AT, V_FULL, V_EMPTY, it, v, maps, 2, mod, b, h, hk, row_start, n_base,
-                              tid, vec, k_start, seqlen_k)
+                              tid, vec, k_start, map_b, seqlen_k)
         if not TMA:
             cp_async_wait_all()  # leave only once every copy has landed
         elif PACKED:
