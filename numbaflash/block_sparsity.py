@@ -5,8 +5,8 @@ every (b, h, q_idx, kv_idx) once (a Numba loop on the host), keeps the visible c
 tile, and from those labels each tile of a kernel's shape `EMPTY` (no visible score), `PARTIAL` or
 `FULL` (every score visible). A forward kernel, or a backward's dQ pass, given the `BlockMask` visits
 only the non-empty key tiles of its query tile, in order (`key_tiles`); a backward's dK/dV pass visits
-only the non-empty query tiles of its key block (`query_tiles`); both call ``mask_mod`` only on partial
-tiles. The forward's result is the dense mask_mod call's up to rounding: an empty tile adds exp(-inf) = 0
+only the non-empty query tiles of its key block (`query_tiles`); on partial tiles the kernels read the mask's
+verdicts from bits evaluated here (the CUDA-core dK/dV pass calls ``mask_mod`` instead). The forward's result is the dense mask_mod call's up to rounding: an empty tile adds exp(-inf) = 0
 to the sums, but on a GPU the dense call's visit also rescales them by ex2 of the rounding error of
 ``m * scale`` (the FMA keeps it), one part in 2^24; on the simulator the two agree bit for bit. An empty
 tile adds exact zeros to the gradients, so a deterministic backward's are the dense call's bit for bit.
@@ -153,30 +153,43 @@ class BlockMask:
 
     def query_tiles(self, block_m, block_n, left, right, group, like):
         """A dK/dV pass's schedule (`kernels.query_tiles`) for blocks of ``block_m`` keys streaming tiles of
-        ``block_n`` query rows, GQA groups of ``group`` query heads: int32 ``(batch or 1, kv heads or 1, key
-        blocks, group * query tiles + 2)``; entry 0 of a key block counts the (head, query tile) pairs it
-        visits (`visited`'s tiles, over the group's heads), and entries 1.. are ``2 * (j * query tiles +
-        query tile) + (1 if FULL)`` for the group's ``j``-th head, heads in order, tiles ascending; paired, as
-        `key_tiles`' table is, with a bits array (here one unused word). Arrays of the kind and device of
-        `_arrays.Operand` ``like``, cached."""
+        ``block_n`` query rows, GQA groups of ``group`` query heads: ``(table, bits)`` as `key_tiles` lays them
+        out, transposed. ``table``: int32 ``(batch or 1, kv heads or 1, key blocks, 2 (visits + 1))``, visits
+        ``= group * query tiles``; entry 0 of a key block counts the (head, query tile) pairs it visits
+        (`visited`'s tiles, over the group's heads), entries 1.. are ``2 * (j * query tiles + query tile) +
+        (1 if FULL)`` for the group's ``j``-th head, heads in order, tiles ascending, and entry ``visits + 2 + i``
+        is the ``i``-th visit's slot in ``bits`` (-1 for a full one). ``bits``: int32 ``(partial visits or 1,
+        block_m, cdiv(block_n, 32))``: bit ``c % 32`` of word ``c // 32`` of row ``r`` is mask_mod's verdict on
+        key ``r`` of the block and query row ``c`` of the tile, where the causal/window mask shows it inside
+        the sequences (0 elsewhere). Arrays of the kind and device of `_arrays.Operand` ``like``, cached."""
         key = ("query", block_m, block_n, left, right, group, like.kind, like.device)
         if key not in self._tables:
             classes, visited = self.classify(block_n, block_m), self.visited(block_n, block_m, left, right)
             batch, heads, per_head, key_blocks = classes.shape
             kv_heads = heads // group if heads > 1 else 1  # a mask of any head: every group's the same
-            table = np.zeros((batch, kv_heads, key_blocks, group * per_head + 2), np.int32)
+            visits = group * per_head
+            table = np.zeros((batch, kv_heads, key_blocks, 2 * (visits + 1)), np.int32)
+            partial = []  # (b, h, query tile, key block) of each slot, in slot order
             for b, hk, kt in np.ndindex(batch, kv_heads, key_blocks):
-                visits = []
+                entries, slots = [], []
                 for j in range(group):
                     h = hk * group + j if heads > 1 else 0
                     tiles = np.flatnonzero(visited[b, h, :, kt])
-                    visits.append(2 * (j * per_head + tiles) + (classes[b, h, tiles, kt] == FULL))
-                visits = np.concatenate(visits)
-                table[b, hk, kt, 0] = len(visits)
-                table[b, hk, kt, 1:1 + len(visits)] = visits
-            # The kernels' ``mod[0]`` has `key_tiles`' type; a dK/dV pass asks mask_mod on its partial tiles.
-            self._tables[key] = (_arrays.from_host(like, table),
-                                 _arrays.from_host(like, np.zeros((1, 1, 1), np.int32)))
+                    full = classes[b, h, tiles, kt] == FULL
+                    entries.append(2 * (j * per_head + tiles) + full)
+                    slots.append(np.where(full, -1, len(partial) + np.cumsum(~full) - 1))
+                    partial += [(b, h, tile, kt) for tile in tiles[~full]]
+                entries = np.concatenate(entries)
+                table[b, hk, kt, 0] = len(entries)
+                table[b, hk, kt, 1:1 + len(entries)] = entries
+                table[b, hk, kt, visits + 2:visits + 2 + len(entries)] = np.concatenate(slots)
+            # The verdicts of (query rows x keys) tiles, transposed to (keys x query rows) words
+            rows = self._partial_bits(np.array(partial, np.int64).reshape(-1, 4), block_n, block_m, left, right)
+            shown = np.unpackbits(rows.view(np.uint8), axis=2, bitorder="little")[:, :, :block_m]
+            words = -(-block_n // 32)
+            shown = np.pad(shown.transpose(0, 2, 1), ((0, 0), (0, 0), (0, 32 * words - block_n)))
+            bits = np.packbits(shown, axis=2, bitorder="little").view(np.int32)
+            self._tables[key] = (_arrays.from_host(like, table), _arrays.from_host(like, np.ascontiguousarray(bits)))
         return self._tables[key]
 
     def visible_scores(self, left, right, batch, nheads):

@@ -66,6 +66,7 @@ class Tiles:
     block_n: int
     thread_m: int
     thread_n: int
+    blocks_per_sm = 1  # no launch bound shares a multiprocessor's registers (`WgmmaTiles.blocks_per_sm`)
 
     @property
     def cols_t(self):
@@ -89,6 +90,7 @@ class MmaTiles:
     block_n: int
     warps: int
     m_tiles: int = 1
+    blocks_per_sm = 1  # no launch bound shares a multiprocessor's registers (`WgmmaTiles.blocks_per_sm`)
 
     def __post_init__(self):
         if self.block_m != self.rows_per_warp * self.warps:
@@ -111,7 +113,9 @@ class WgmmaTiles:
     as bulk tensor copies (kernel v5); with ``pingpong``, the consumer warpgroups take turns to issue
     their products, so one's softmax runs under another's (FlashAttention-3's schedule); ``exp2_fma`` of each
     row's ``block_n / 8`` 8-key chunks take the softmax's exponentials from a polynomial on the FMA pipe instead
-    of the special-function unit's ex2 (`kernels.softmax.fma_chunk`)."""
+    of the special-function unit's ex2 (`kernels.softmax.fma_chunk`); ``blocks_per_sm`` blocks share a
+    multiprocessor (2: each gets half its registers and shared memory, so one block's start and end run under
+    the other's tiles; `wgmma.pipeline.registers`)."""
 
     block_m: int
     block_n: int
@@ -121,6 +125,7 @@ class WgmmaTiles:
     tma: bool = False
     pingpong: bool = False
     exp2_fma: int = 0
+    blocks_per_sm: int = 1
 
     def __post_init__(self):
         if self.block_m != 64 * self.warpgroups:
@@ -136,6 +141,9 @@ class WgmmaTiles:
         if self.pingpong and not (self.producer and self.warpgroups >= 2):
             raise ValueError(f"ping-pong takes turns between two or more consumer warpgroups beside a producer; "
                              f"got {self}")
+        if self.blocks_per_sm not in (1, 2) or self.blocks_per_sm == 2 and not (self.producer and self.warpgroups == 1):
+            raise ValueError(f"two blocks share a multiprocessor with one consumer warpgroup beside a producer "
+                             f"(blocks_per_sm 1 or 2); got {self}")
 
     @property
     def threads(self):
@@ -247,6 +255,19 @@ WGMMA_USER_FUNCTION_TILES = {64: WgmmaTiles(128, 128, 2, producer=True, tma=True
 # the plain kernel itself ran 5-36% slower with 3-12 (it is not bound there), and so did headdim 128 softcap.
 WGMMA_SOFTCAP_TILES = {64: dataclasses.replace(WGMMA_TILES[64], exp2_fma=4)}
 WGMMA_CP_ASYNC_TILES = {64: WgmmaTiles(128, 112, 2), 128: WgmmaTiles(128, 64, 2)}
+# A block mask's call at headdim 64: blocks of one consumer warpgroup, two per multiprocessor
+# (`WgmmaTiles.blocks_per_sm`). A block costs about 9 microseconds beyond its tiles (H200, v5 forward at headdim
+# 64 and 128: the fit of time against key tiles per block, .bench/docs_tiles.py), what 6.7 of its 192 x 96
+# tiles take; 8 documents of 2048 tokens leave a block about 13 of them, so a sixth of the forward was that.
+# Two blocks per multiprocessor run one's start and end under the other's tiles. Same run, 16 heads, N = 16384
+# (.bench/bps.py): 8 documents' forward took 0.262 ms against 0.294 (4.59x -> 5.17x faster than dense causal)
+# and their backward (64 x 64) 1.183 against 1.297 ms, while dense causal stayed at 1.36 ms forward (three
+# consumers: 1.35) and 4.30 backward. At headdim 128 the forward's blocks already did as well (5.35x against
+# 5.28x) and the dK/dV pass of one consumer spills 196 bytes at 128 registers (ptxas 13.0).
+WGMMA_BLOCK_SPARSE_TILES = {64: WgmmaTiles(64, 128, 1, producer=True, tma=True, blocks_per_sm=2)}
+WGMMA_BLOCK_SPARSE_BACKWARD_TILES = {64: WgmmaTiles(64, 64, 1, producer=True, tma=True, blocks_per_sm=2)}
+SHARED_BLOCKS_REASON = ("a block mask leaves each block few tiles: blocks of one consumer warpgroup, two per "
+                        "multiprocessor, so one block's start and end run under the other's tiles")
 SIMULATOR_WGMMA_TILES = WgmmaTiles(64, 16, 1)
 # wgmma backward (compute capability 9.0). v5 (`wgmma.ws_backward`): a producer warpgroup's bulk tensor copies
 # and two consumer warpgroups of 64 keys (dK/dV) or 64 query rows (dQ) each, streaming 64-row tiles. On the
@@ -452,26 +473,28 @@ def _choose(direction, acc, D, acc_bytes, device, smem_of):
 
 
 def make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward=False, device=None, tiles=None,
-              aligned=True, packed=False, user_functions=False, deterministic=True, softcap_alone=False):
+              aligned=True, packed=False, user_functions=False, deterministic=True, softcap_alone=False,
+              block_sparse=False):
     """The plan for these sizes on ``device`` (default: the current one). ``tiles`` overrides the blocks.
     ``aligned``: whether q, k and v have a contiguous head dim, a multiple of 8, and 16-byte aligned
     strides, as the bulk tensor copy engine needs (`interface.vector_staging`). ``packed``: a varlen call
     (`numbaflash.varlen`) of ``batch`` sequences, the longest ``seqlen_q`` and ``seqlen_k``, which the
     grid covers. ``user_functions``: the forward calls the user's functions per score
     (`numbaflash.mods.Mods.per_score_functions`); ``softcap_alone``: its scores go through softcap's tanh alone
-    (`numbaflash.mods.Mods.softcap_alone`).
+    (`numbaflash.mods.Mods.softcap_alone`); ``block_sparse``: a block mask's call, whose blocks visit only its
+    non-empty tiles.
     ``deterministic``: a backward whose repeats are bitwise identical; False with v5's ``tiles`` runs its dK/dV
     kernel that accumulates dQ with float32 atomics (`WGMMA_ATOMIC_DQ`), which no plan picks by itself."""
     device = current_device() if device is None else device
     return _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned,
-                      packed, user_functions, deterministic, softcap_alone)
+                      packed, user_functions, deterministic, softcap_alone, block_sparse)
 
 
 @functools.lru_cache(maxsize=1024)  # plans are immutable; a model calls attention with few distinct shapes
 def _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned, packed,
-               user_functions, deterministic, softcap_alone):
+               user_functions, deterministic, softcap_alone, block_sparse):
     plan = _choose_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned,
-                        packed, user_functions, deterministic, softcap_alone)
+                        packed, user_functions, deterministic, softcap_alone, block_sparse)
     if backward and not deterministic and not isinstance(plan.tiles, WgmmaTiles):  # the wgmma plans say their own
         plan = dataclasses.replace(plan, reason=plan.reason + f"; deterministic=False: {plan.kernel} has no atomic "
                                    "dQ, and runs its deterministic passes")
@@ -479,7 +502,7 @@ def _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, bac
 
 
 def _choose_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned, packed,
-                 user_functions, deterministic, softcap_alone):
+                 user_functions, deterministic, softcap_alone, block_sparse):
     from .kernels.mma import backward as mma_backward
     from .kernels.simt import backward as simt_backward, forward as simt_forward
 
@@ -492,9 +515,10 @@ def _choose_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, b
         raise ValueError(f"the wgmma backward runs head dims up to {max(WGMMA_BACKWARD_TILES)}; got headdim {headdim}")
     if uses_tensor_cores(dtype, device) and (tiles is None or isinstance(tiles, (MmaTiles, WgmmaTiles))):
         if backward and (isinstance(tiles, WgmmaTiles) or (tiles is None and uses_wgmma_backward(dtype, device, headdim))):
-            return _wgmma_backward_plan(shape, device, tiles, aligned, packed, deterministic)
+            return _wgmma_backward_plan(shape, device, tiles, aligned, packed, deterministic, block_sparse)
         if not backward and (isinstance(tiles, WgmmaTiles) or (tiles is None and uses_wgmma(dtype, device, headdim))):
-            return _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, softcap_alone)
+            return _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, softcap_alone,
+                                       block_sparse)
         if not backward:
             return _mma_forward_plan(shape, device, tiles)
         if headdim <= mma_backward.MAX_HEADDIM:
@@ -596,10 +620,13 @@ def _mma_where(device):
     return f"compute capability {device.compute_capability[0]}.{device.compute_capability[1]}"
 
 
-def _check_smem(what, smem, shape, device):
-    if max(smem) > device.smem_per_block:
+def _check_smem(what, smem, shape, device, tiles):
+    # A multiprocessor keeps 1 KiB per block beside what the block may use (`Device.smem_per_block`).
+    offered = (device.smem_per_block + 1024) // tiles.blocks_per_sm - 1024
+    if max(smem) > offered:
         raise ValueError(f"the tensor-core {what} needs {max(smem)} bytes of shared memory at headdim "
-                         f"{shape['headdim']}; {device.name} offers {device.smem_per_block}")
+                         f"{shape['headdim']}; {device.name} offers {offered} to each of "
+                         f"{tiles.blocks_per_sm} block(s) per multiprocessor")
 
 
 def _mma_forward_plan(shape, device, tiles, hopper=""):
@@ -610,7 +637,7 @@ def _mma_forward_plan(shape, device, tiles, hopper=""):
     requested = tiles is not None
     tiles = tiles or (SIMULATOR_MMA_TILES if device.simulator else MMA_TILES[D])
     smem = (2 * mma_forward.smem_elements(D, tiles),)
-    _check_smem("forward", smem, shape, device)
+    _check_smem("forward", smem, shape, device, tiles)
     registers = 4 * (tiles.block_m * D + tiles.block_m * tiles.block_n + 2 * tiles.block_m)
     if device.compute_capability == (9, 0) and not requested and not hopper:
         hopper = (f"; headdim {shape['headdim']} < {WGMMA_MIN_HEADDIM}: mma.sync's 16- and 32-wide buckets pad less "
@@ -620,7 +647,7 @@ def _mma_forward_plan(shape, device, tiles, hopper=""):
     return _plan("mma_forward", reason, shape, device, D, tiles, smem, registers)
 
 
-def _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, softcap_alone):
+def _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, softcap_alone, block_sparse):
     from .kernels.wgmma import forward as wgmma_forward, ws_forward as wgmma_ws_forward
 
     D = next(D for D in WGMMA_HEADDIMS if shape["headdim"] <= D)
@@ -628,10 +655,13 @@ def _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, s
     if tiles is None:
         tiles = (SIMULATOR_WGMMA_TILES if device.simulator else
                  WGMMA_USER_FUNCTION_TILES.get(D, WGMMA_TILES[D]) if user_functions else
+                 WGMMA_BLOCK_SPARSE_TILES.get(D, WGMMA_TILES[D]) if block_sparse else
                  WGMMA_SOFTCAP_TILES.get(D, WGMMA_TILES[D]) if softcap_alone else WGMMA_TILES[D])
         if user_functions and D in WGMMA_USER_FUNCTION_TILES and not device.simulator:
             copies = (f"; the user's functions called per score: {tiles.warpgroups} consumer warpgroups, whose "
                       f"registers hold them ({WGMMA_TILES[D].warpgroups} spill them)")
+        elif tiles.blocks_per_sm > 1:
+            copies = f"; {SHARED_BLOCKS_REASON}"
         elif tiles.exp2_fma:
             copies = (f"; softcap's tanh and the softmax's ex2 bound the special-function unit: {tiles.exp2_fma} of "
                       f"{tiles.block_n // 8} 8-key chunks take ex2 from a polynomial on the FMA pipe")
@@ -650,7 +680,7 @@ def _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, s
             raise ValueError(f"{tiles}: v4 (a producer without tma) does not take packed (varlen) sequences; v5 "
                              "(tma=True) and v3 (no producer) do")
     smem = ((wgmma_ws_forward if tiles.producer else wgmma_forward).smem_bytes(D, tiles),)
-    _check_smem("forward", smem, shape, device)
+    _check_smem("forward", smem, shape, device, tiles)
     registers = 4 * (tiles.block_m * D + tiles.block_m * tiles.block_n + 2 * tiles.block_m)
     where = ("the CUDA simulator, whose wgmma and cp.async are emulations (one warpgroup per block)" if device.simulator
              else f"compute capability 9.0 ({device.name})")
@@ -659,7 +689,7 @@ def _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, s
     return _plan(tiles.kernel, reason, shape, device, D, tiles, smem, registers)
 
 
-def _wgmma_backward_plan(shape, device, tiles, aligned, packed, deterministic):
+def _wgmma_backward_plan(shape, device, tiles, aligned, packed, deterministic, block_sparse):
     """The wgmma backward's plan: v5 (`WGMMA_BACKWARD_TILES`) where the copy engine reads the operands, else
     mma.sync's (`explain` says why); v3 or other tiles when asked for. Not ``deterministic`` with v5's tiles
     asked for: v5 accumulates dQ in its dK/dV kernel (`WGMMA_ATOMIC_DQ`)."""
@@ -672,7 +702,8 @@ def _wgmma_backward_plan(shape, device, tiles, aligned, packed, deterministic):
             return _mma_backward_plan(shape, device, None, "; the wgmma backward (v5) does not run q, k, v or dout "
                                       "with a head dim that is not contiguous, not a multiple of 8 or not 16-byte "
                                       "aligned, which the bulk tensor copy engine cannot read")
-        tiles = WGMMA_BACKWARD_TILES[D]
+        tiles = (WGMMA_BLOCK_SPARSE_BACKWARD_TILES.get(D, WGMMA_BACKWARD_TILES[D]) if block_sparse else
+                 WGMMA_BACKWARD_TILES[D])
     if packed and not tiles.producer:
         raise ValueError(f"{tiles}: v3's wgmma backward does not take packed (varlen) sequences; v5's tiles (a producer) "
                          "and mma.sync's do")
@@ -689,12 +720,14 @@ def _wgmma_backward_plan(shape, device, tiles, aligned, packed, deterministic):
     kernels = wgmma_ws_backward if tiles.producer else wgmma_backward
     smem = ((wgmma_ws_backward.smem_bytes_dkdv(D, tiles, True), 0) if atomic else
             (kernels.smem_bytes_dkdv(D, tiles), kernels.smem_bytes_dq(D, tiles)))
-    _check_smem("backward", smem, shape, device)
+    _check_smem("backward", smem, shape, device, tiles)
     registers = 4 * (2 * 64 * tiles.warpgroups * D + 2 * tiles.block_m * tiles.block_n)  # dK and dV, S and dP
     where = ("the CUDA simulator, whose wgmma and copies are emulations" if device.simulator
              else f"compute capability 9.0 ({device.name})")
     reason = (f"{shape['dtype']} on {where}: warpgroup tensor cores (wgmma), float32 accumulation; head dims padded "
               f"to 64 or 128; D = rowsum(dO * O) on the CUDA cores")
+    if tiles.blocks_per_sm > 1 and planned:
+        reason += f"; {SHARED_BLOCKS_REASON}"
     if atomic:
         reason += ("; deterministic=False: the dK/dV kernel also adds dS K into a float32 dQ with atomics (5 products "
                    "per tile pair instead of 7; repeats may differ in the last bits of dQ)")
@@ -718,7 +751,7 @@ def _mma_backward_plan(shape, device, tiles, hopper=""):
     if tiles.block_m != tiles.block_n:
         raise ValueError(f"the tensor-core backward takes square tiles (block_m = block_n); got {tiles}")
     smem = (2 * mma_backward.smem_elements_dkdv(D, tiles), 2 * mma_backward.smem_elements_dq(D, tiles))
-    _check_smem("backward", smem, shape, device)
+    _check_smem("backward", smem, shape, device, tiles)
     chunk = mma_backward.chunk(tiles)
     registers = 4 * (2 * tiles.block_m * D + 2 * tiles.block_m * chunk)  # dK and dV fragments, S and dP of a chunk
     reason = (f"{shape['dtype']} on {_mma_where(device)}: tensor cores, float32 accumulation; head dims padded to "

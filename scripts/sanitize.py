@@ -67,8 +67,9 @@ def grid():
         if dtype == "float16" and hopper:  # the atomic dQ's key pass, with its table
             numbaflash.attention_backward(dout, q, k, v, out, lse, deterministic=False, plan=atomic_plan(q, k),
                                           **modifications)
-        # The built-in modifications and a block mask without the user's per-score functions: at headdim 64,
-        # three consumers (the call above runs two).
+        # The built-in modifications and a block mask without the user's per-score functions: at headdim 64, one
+        # consumer and two blocks per multiprocessor both ways (`tiling.WGMMA_BLOCK_SPARSE_TILES`; the forward
+        # above runs two consumers), the dK/dV pass reading the block mask's transposed bits.
         built_in = dict(softcap=5.0, alibi_slopes=modifications["alibi_slopes"], mod_args=modifications["mod_args"],
                         block_mask=modifications["block_mask"], causal=True)
         out, lse = numbaflash.attention(q, k, v, return_lse=True, **built_in)

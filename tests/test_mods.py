@@ -295,6 +295,11 @@ def test_a_compile_error_names_the_function_and_its_line():
 
 # -- block masks
 
+# Block masks' tiles at headdim 64 (`tiling.WGMMA_BLOCK_SPARSE_TILES`): two blocks of one consumer per
+# multiprocessor, their registers shared out as such (`wgmma.pipeline.registers`), on the simulator's smallest tiles.
+SHARED_SM = {"wgmma v5, two blocks per multiprocessor": (
+    "float16", tiling.WgmmaTiles(64, 16, 1, producer=True, tma=True, blocks_per_sm=2))}
+
 
 def test_a_block_mask_gives_the_dense_mask_mod_result(arrays, mode):
     """Documents of a packed sequence, causal inside each: the forward with the block mask visits only the
@@ -307,7 +312,7 @@ def test_a_block_mask_gives_the_dense_mask_mod_result(arrays, mode):
     doc = np.repeat(np.arange(4), [6, 20, 3, seqlen - 29]).astype(np.int32)[None]  # (1, seqlen)
     bm = numbaflash.block_mask(same_document_causal, None, None, seqlen, seqlen, mod_args=(doc,))
     assert 0 < bm.density(16, 16) < 1
-    for family, (dtype, tiles) in FAMILIES.items():
+    for family, (dtype, tiles) in dict(FAMILIES, **SHARED_SM).items():
         case = Case(1, seqlen, seqlen, 1, 1, 16, dtype, seed=8)
         q, k, v = (to_device(x) for x in inputs(case))
         forward = forward_of(case, tiles)
@@ -353,6 +358,23 @@ def test_the_bits_of_partial_tiles_are_the_mask_where_the_window_shows_it(left, 
                 got = got.reshape(rows, -1)[:tile.shape[0], :tile.shape[1]].astype(bool)
                 assert np.array_equal(got, tile), (qt, kt)
     assert slots == len(bits) > 0
+    # The dK/dV pass's: blocks of `cols` keys streaming tiles of `rows` query rows, the same verdicts transposed
+    # (a row of bits per key, a bit per query row).
+    table, bits = queries
+    classes, slots = bm.classify(rows, cols), 0
+    half = table.shape[3] // 2
+    for kt in range(table.shape[2]):
+        count = table[0, 0, kt, 0]
+        for entry, slot in zip(table[0, 0, kt, 1:1 + count], table[0, 0, kt, half + 1:half + 1 + count]):
+            qt = entry >> 1
+            assert (slot >= 0) == (classes[0, 0, qt, kt] == block_sparsity.PARTIAL)
+            if slot >= 0:
+                slots += 1
+                tile = want[qt * rows:(qt + 1) * rows, kt * cols:(kt + 1) * cols].T  # (keys, query rows)
+                got = (bits[slot].view(np.uint32)[:, :, None] >> np.arange(32, dtype=np.uint32)) & 1
+                got = got.reshape(cols, -1)[:tile.shape[0], :tile.shape[1]].astype(bool)
+                assert np.array_equal(got, tile), (kt, qt)
+    assert slots == len(bits) > 0
 
 
 def same_document_per_head(b, h, q_idx, kv_idx, doc):
@@ -367,6 +389,7 @@ BACKWARD_FAMILIES = {
     "wgmma v3": ("float16", tiling.WGMMA_CP_ASYNC_BACKWARD_TILES[64], True),
     "wgmma v5": ("float16", tiling.SIMULATOR_WGMMA_BACKWARD_TILES, True),
     "wgmma v5 atomic dQ": ("bfloat16", tiling.WgmmaTiles(64, 64, 1, producer=True, tma=True), False),
+    "wgmma v5, two blocks per multiprocessor": ("float16", SHARED_SM["wgmma v5, two blocks per multiprocessor"][1], True),
 }
 
 
@@ -485,18 +508,47 @@ def test_explain_names_the_modifications_and_what_the_block_mask_skips():
 
 
 def test_only_the_users_per_score_functions_keep_headdim_64_at_two_consumers():
-    """softcap, ALiBi and a block mask (whose verdicts the kernels read as bits) plan three consumer warpgroups
-    at headdim 64; a score_mod or a mask_mod without a block mask, called per score, plans two."""
+    """softcap and ALiBi plan three consumer warpgroups at headdim 64; a score_mod or a mask_mod without a block
+    mask, called per score, plans two; a block mask (whose verdicts the kernels read as bits) plans one, two
+    blocks per multiprocessor, forward and backward, and says why (at headdim 128 the usual tiles)."""
     from numbaflash.mods import Mods
 
-    three = [Mods(softcap=True), Mods(alibi=True), Mods(mask_mod=same_document_causal, block_sparse=True)]
+    three = [Mods(softcap=True), Mods(alibi=True)]
     two = [Mods(score_mod=relative_bias), Mods(mask_mod=same_document_causal),
            Mods(softcap=True, score_mod=relative_bias, mask_mod=same_document_causal, block_sparse=True)]
+    one = [Mods(mask_mod=same_document_causal, block_sparse=True),
+           Mods(softcap=True, mask_mod=same_document_causal, block_sparse=True)]
     hopper = tiling.Device("H100 (planned)", (9, 0), 132, 227 * 1024)
-    for mods, warpgroups in [(m, 3) for m in three] + [(m, 2) for m in two]:
-        plan = tiling.make_plan(1, 8, 8, 2048, 2048, 64, "float16", device=hopper,
-                                user_functions=mods.per_score_functions)
-        assert plan.tiles.warpgroups == warpgroups, mods.describe()
+
+    def plan(mods, headdim=64, backward=False):
+        return tiling.make_plan(1, 8, 8, 2048, 2048, headdim, "float16", device=hopper, backward=backward,
+                                user_functions=mods.per_score_functions, block_sparse=mods.block_sparse)
+
+    for mods, warpgroups in [(m, 3) for m in three] + [(m, 2) for m in two] + [(m, 1) for m in one]:
+        assert plan(mods).tiles.warpgroups == warpgroups, mods.describe()
+    for mods in one:
+        forward, backward = plan(mods), plan(mods, backward=True)
+        assert forward.tiles == tiling.WGMMA_BLOCK_SPARSE_TILES[64]
+        assert backward.tiles == tiling.WGMMA_BLOCK_SPARSE_BACKWARD_TILES[64]
+        assert all(tiling.SHARED_BLOCKS_REASON in p.reason for p in (forward, backward))
+        assert plan(mods, headdim=128).tiles == tiling.WGMMA_TILES[128]
+        assert plan(mods, headdim=128, backward=True).tiles == tiling.WGMMA_BACKWARD_TILES[128]
+    assert tiling.SHARED_BLOCKS_REASON not in plan(Mods()).reason
+
+
+def test_two_blocks_per_multiprocessor_take_one_consumer_and_half_the_shared_memory():
+    hopper = tiling.Device("H100 (planned)", (9, 0), 132, 227 * 1024)
+    for bad in (dict(blocks_per_sm=3), dict(blocks_per_sm=0), dict(blocks_per_sm=2, producer=False, tma=False)):
+        with pytest.raises(ValueError, match="two blocks share a multiprocessor with one consumer"):
+            tiling.WgmmaTiles(64, 64, 1, **dict(dict(producer=True, tma=True), **bad))
+    with pytest.raises(ValueError, match="two blocks share a multiprocessor with one consumer"):
+        tiling.WgmmaTiles(128, 64, 2, producer=True, tma=True, blocks_per_sm=2)
+    # 64 x 128 at headdim 128, 3 stages: 16 KiB of Q and 192 KiB of K and V fit a block alone, not two
+    big = dict(block_m=64, block_n=128, warpgroups=1, stages=3, producer=True, tma=True)
+    tiling.make_plan(1, 8, 8, 2048, 2048, 128, "float16", device=hopper, tiles=tiling.WgmmaTiles(**big))
+    with pytest.raises(ValueError, match=r"offers 115712 to each of 2 block\(s\) per multiprocessor"):
+        tiling.make_plan(1, 8, 8, 2048, 2048, 128, "float16", device=hopper,
+                         tiles=tiling.WgmmaTiles(**big, blocks_per_sm=2))
 
 
 def test_softcap_alone_at_headdim_64_takes_part_of_its_exponentials_from_the_fma_pipe():

@@ -76,7 +76,12 @@ def transposed_steps(M, NT, mods=NONE, fused=False):
     # the branch (forming them all spilled 16 bytes at headdim 128), the user's functions must (they see
     # visible indices only).
     FORM_ALL = MODIFIED and not guarded(mods)
-    checked, unchecked = (_transposed_probabilities(M, NT, mods, tested, fused) for tested in (True, False))
+    # A block mask's partial tiles read their verdicts in a loop of their own: as one more branch of the tested
+    # loop, NVVM left it rolled, S^T in 128 bytes of local memory and a wgmma wait injected (C7517; ptxas 13.0,
+    # v5 at headdim 64 and 128), as calling the mask_mod there did with 8 documents' lookups.
+    checked, unchecked, from_bits = (_transposed_probabilities(M, NT, mods, tested, fused, bits)
+                                     for tested, bits in ((True, False), (False, False), (True, True)))
+    BITS = mods.block_sparse
     FUSED = fused
     # Not fused (headdim 128), where the one-sided loop beside the others kept 52 bytes of local memory (ptxas
     # 13.0) and ALiBi cost 1.03x the plain backward without it (H200)
@@ -97,7 +102,7 @@ def transposed_steps(M, NT, mods=NONE, fused=False):
 
     @device_function
     def probabilities(s, dp, dlogit, stats, lse_at, delta_at, q_start, c0, warp_key, key_start, key_end, g, t, seqlen_q,
-                      seqlen_k, left, right, scale_log2, b, h, bh, block_full):
+                      seqlen_k, left, right, scale_log2, b, h, bh, block_full, mod, slot):
         q_end = q_start + c0 + 8 * NT
         full = masks.tile_is_full(q_start + c0, min(q_end, seqlen_q), key_start, key_end, seqlen_q, seqlen_k, left,
                                   right)
@@ -108,12 +113,15 @@ def transposed_steps(M, NT, mods=NONE, fused=False):
                       scale_log2, bh)
             else:
                 unchecked(s, dp, dlogit, stats, lse_at, delta_at, q_start, c0, warp_key, full, g, t, seqlen_q, seqlen_k,
-                          left, right, scale_log2, b, h, bh, block_full)
+                          left, right, scale_log2, b, h, bh, block_full, mod, slot, key_start)
             if FORM_ALL and not full:
                 drop_hidden(s, dp, q_start, c0, warp_key, g, t, seqlen_q, seqlen_k, left, right)
+        elif BITS and not block_full:  # a block mask's partial tile
+            from_bits(s, dp, dlogit, stats, lse_at, delta_at, q_start, c0, warp_key, full, g, t, seqlen_q, seqlen_k, left,
+                      right, scale_log2, b, h, bh, block_full, mod, slot, key_start)
         else:
             checked(s, dp, dlogit, stats, lse_at, delta_at, q_start, c0, warp_key, full, g, t, seqlen_q, seqlen_k, left,
-                    right, scale_log2, b, h, bh, block_full)
+                    right, scale_log2, b, h, bh, block_full, mod, slot, key_start)
 
     @device_function
     def ds(s, dp, dlogit, stats, delta_at, t):
@@ -131,17 +139,20 @@ def transposed_steps(M, NT, mods=NONE, fused=False):
     return probabilities, ds
 
 
-def _transposed_probabilities(M, NT, mods, TESTED, FUSED):
+def _transposed_probabilities(M, NT, mods, TESTED, FUSED, BITS):
     """`transposed_steps`' P^T loop; ``TESTED``: each score passes the causal/window range (unless ``full``) and
-    the user's checks, else every score is taken as visible; ``FUSED``: dP^T becomes dS^T in the same loop."""
+    the user's checks, or with ``BITS`` the block mask's verdict on it from the tile's bits at ``slot`` (which
+    hold the causal/window mask and the sequences' ends: `block_sparsity.BlockMask.query_tiles`), else every
+    score is taken as visible; ``FUSED``: dP^T becomes dS^T in the same loop."""
     M_ROWS = 2 * M
     modifier = modifiers(mods, types.float32, fast=True)
     MODIFIED, logit2, visible = modifier.modified, modifier.logit2, modifier.visible
     GUARDED = guarded(mods)
+    verdict_word = key_tiles.verdict_word(mods)
 
     @device_function
     def loop(s, dp, dlogit, stats, lse_at, delta_at, q_start, c0, warp_key, full, g, t, seqlen_q, seqlen_k, left, right,
-             scale_log2, b, h, bh, block_full):
+             scale_log2, b, h, bh, block_full, mod, slot, key_start):
         # ALiBi's distance of the lane's first query and its row-g key of the warp's first m-tile
         distance = types.float32(q_start + c0 + 2 * t + seqlen_k - seqlen_q - warp_key - g)
         # Untested tiles read the LSE at an unsigned index: a signed one pays Numba's negative-index wraparound
@@ -154,15 +165,19 @@ def _transposed_probabilities(M, NT, mods, TESTED, FUSED):
                 row = q_start + col
                 lse2 = stats[lse_at + col] if TESTED else stats[lse_lane + types.uint64(8 * j + e)]
                 dsum = stats[delta_at + col] if FUSED else ZERO
-                lo_q, hi_q = 0, seqlen_k  # a full tile: every key visible, no bounds to compute
-                if TESTED and not full:
+                lo_q, hi_q = 0, seqlen_k  # a full tile (or one the bits decide): no bounds to compute
+                if TESTED and not BITS and not full:
                     lo_q, hi_q = masks.key_range(row, seqlen_q, seqlen_k, left, right)
                 for r in range(M_ROWS):
                     mi, half = r // 2, r % 2
                     key = warp_key + lane_row(r, g)
                     p, grad = ZERO, ZERO
-                    if not TESTED or (key >= lo_q and key < hi_q and (not GUARDED or (row < seqlen_q and (
-                            block_full or visible(b, h, row, key, bh))))):
+                    if BITS:
+                        seen = key_tiles.shown(verdict_word(mod, slot, key - key_start, c0 + 8 * j, t), c0 + 8 * j, e)
+                    else:
+                        seen = not TESTED or (key >= lo_q and key < hi_q and (not GUARDED or (row < seqlen_q and (
+                            block_full or visible(b, h, row, key, bh)))))
+                    if seen:
                         x, grad = logit2(s[mi * NT + j, 2 * half + e] * scale_log2, b, h, row, key,
                                          abs(distance + types.float32(8 * j + e - lane_row(r, 0))), bh)
                         p = ex2(x - lse2)

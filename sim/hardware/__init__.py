@@ -139,8 +139,10 @@ def tile_visits(plan):
     return plan.batch * plan.nheads * per_head * len(plan.launches)
 
 
-def _blocks_per_sm(launch, gpu):
-    registers = REGISTERS.get(launch.kernel, 255)
+def _blocks_per_sm(launch, gpu, tiles):
+    # Tiles that share a multiprocessor are compiled to their share of its registers (their launch bounds)
+    registers = REGISTERS.get(launch.kernel, 255 if tiles.blocks_per_sm == 1 else
+                              gpu.registers_per_sm // (tiles.blocks_per_sm * launch.threads))
     limits = (gpu.threads_per_sm // launch.threads, gpu.registers_per_sm // (registers * launch.threads),
               gpu.smem_per_sm // (launch.smem_bytes + 1024), 32)
     return max(1, min(limits))
@@ -187,7 +189,7 @@ def predict(plan, *, causal=False, window_size=(-1, -1), operands=None, gpu=None
     for launch in plan.launches:
         ledger = kernels.Ledger()
         walks[WALKS[launch.kernel]](ledger)
-        resident = gpu.sm_count * _blocks_per_sm(launch, gpu)
+        resident = gpu.sm_count * _blocks_per_sm(launch, gpu, plan.tiles)
         read, written = l2.dram_bytes(ledger.blocks, resident, gpu.l2_bytes)
         r = ledger.requested
         results.append(KernelTraffic(launch.kernel, r["load"], r["copy"], r["tma"], r["store"], read, written, resident,

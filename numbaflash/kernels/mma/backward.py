@@ -91,6 +91,7 @@ def build_dkdv(D, tiles, storage, mods=NONE):
     prepare, natural = modifier.prepare, modifier.natural
     probabilities, ds = transposed_steps(M, NT, mods)
     tile_count, tile_of, tile_full = query_tiles(mods, BLOCK_M, BLOCK_N)
+    tile_slot = verdict_slot(mods, BLOCK_M)
     ZERO, ONE = types.float32(0), types.float32(1)
 
     def attention_backward_dkdv_mma(q, k, v, dout, lse, delta, dk, dv, scale_log2, left, right, vec, mod):
@@ -140,7 +141,7 @@ def build_dkdv(D, tiles, storage, mods=NONE):
             for it in range(ntiles):
                 h, q_start = h_next, q_next
                 bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)
-                block_full = tile_full(mod, b, hk, key_start, it)
+                block_full, slot = tile_full(mod, b, hk, key_start, it), tile_slot(mod, b, hk, key_start, it)
                 at = (it % 2) * BLOCK_N * LD
                 st = (it % 2) * 2 * BLOCK_N
                 if it + 1 < ntiles:
@@ -163,7 +164,7 @@ def build_dkdv(D, tiles, storage, mods=NONE):
                         scores(s, frag, smem, k_at, Q_AT + at + c0 * LD + b_off)
                         probabilities(s, dp, dlogit, stats, st, st + BLOCK_N + c0, q_start, c0, warp_key, key_start,
                                       key_start + BLOCK_M, g, t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh,
-                                      block_full)
+                                      block_full, mod, slot)
                         accumulate(dv_acc, s, frag, smem, DO_AT + at + c0 * LD + t_off)  # dV += P^T dO
                         scores(dp, frag, smem, v_at, DO_AT + at + c0 * LD + b_off)
                         ds(s, dp, dlogit, stats, st + BLOCK_N + c0, t)

@@ -85,7 +85,7 @@ def dkdv_step(D, tiles, storage, mods=NONE):
 
     @device_function
     def step(smem, descs, at, s, dp, dlogit, p, d_s, dk_acc, dv_acc, stats, st, q_start, warp_key, key_start, g, t,
-             seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh, block_full):
+             seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh, block_full, mod, slot):
         k_desc, v_desc, q_desc, do_desc, q_mn, do_mn = descs
         wgmma_fence()
         scores(s, smem, k_desc, advance(q_desc, at))  # S^T = K Q^T
@@ -97,7 +97,7 @@ def dkdv_step(D, tiles, storage, mods=NONE):
         else:
             wgmma_wait1()  # S^T is done; dP^T may still run under P^T below
         probabilities(s, dp, dlogit, stats, st, st + BLOCK_N, q_start, 0, warp_key, key_start, key_start + BLOCK_M, g,
-                      t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh, block_full)
+                      t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh, block_full, mod, slot)
         pack(p, s)
         wgmma_fence()
         accumulate(dv_acc, p, smem, advance(do_mn, at))  # dV += P^T dO
@@ -166,6 +166,7 @@ def build_dkdv(D, tiles, storage, mods=NONE):
     operands, step = dkdv_step(D, tiles, storage, mods)
     load_stats, store_stats, PER_THREAD = stats_stager(BLOCK_N, THREADS)
     tile_count, tile_of, tile_full = query_tiles(mods, BLOCK_M, BLOCK_N)
+    tile_slot = verdict_slot(mods, BLOCK_M)
     modifier = modifiers(mods, types.float32, fast=True)
     prepare, natural = modifier.prepare, modifier.natural
     write_grad = fragment_writer(D, storage)
@@ -232,7 +233,7 @@ def build_dkdv(D, tiles, storage, mods=NONE):
 
                 step(smem, descs, 2 * at, s, dp, dlogit, p, d_s, dk_acc, dv_acc, stats, st, q_start, warp_key,
                      key_start, g, t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh,
-                     tile_full(mod, b, hk, key_start, it))
+                     tile_full(mod, b, hk, key_start, it), mod, tile_slot(mod, b, hk, key_start, it))
                 if it + 1 < ntiles:
                     store_stats(stats, stats_at + ((it + 1) % 2) * 2 * BLOCK_N, next_stat, tid)
                 cuda.syncthreads()  # this stage is free for the copies issued at the top of the next iteration

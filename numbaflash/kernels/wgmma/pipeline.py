@@ -20,17 +20,26 @@ TAIL_BARRIER = 15  # the named barrier of a producer warp that zeroes a packed s
 # producer's cut frees, or setmaxnreg.inc waits forever. The producer issues the copies with 24, so three
 # consumers take 160 (with 152 a block mask or ALiBi at headdim 64 kept 8 and 140 bytes of local memory).
 REGISTERS = {1: (56, 256), 2: (24, 240), 3: (24, 160)}
+# Two blocks of one consumer per multiprocessor (`tiling.WgmmaTiles.blocks_per_sm`) start at 128 a thread.
+SHARED_REGISTERS = {1: (24, 232)}
 
 
-def check_registers(table):
+def check_registers(table, blocks_per_sm=1):
     """Refuse a table of ``{consumers: (producer's, consumers' registers)}`` whose raise would wait forever."""
     for consumers, (low, high) in table.items():
-        if low + consumers * high > (consumers + 1) * (65536 // (128 * (consumers + 1)) // 8 * 8):
-            raise ValueError(f"{consumers} consumers of {high} registers beside a producer of {low} do not fit")
+        if low + consumers * high > (consumers + 1) * (65536 // (128 * (consumers + 1) * blocks_per_sm) // 8 * 8):
+            raise ValueError(f"{consumers} consumers of {high} registers beside a producer of {low} do not fit "
+                             f"{blocks_per_sm} block(s) per multiprocessor")
     return table
 
 
 check_registers(REGISTERS)
+check_registers(SHARED_REGISTERS, 2)
+
+
+def registers(tiles):
+    """``(producer's, consumers')`` registers per thread after setmaxnreg for `WgmmaTiles` ``tiles``."""
+    return (SHARED_REGISTERS if tiles.blocks_per_sm == 2 else REGISTERS)[tiles.warpgroups]
 
 
 @device_function

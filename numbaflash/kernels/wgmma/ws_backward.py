@@ -57,6 +57,7 @@ from .tiles import ALIGN, ATOM, advance, aligned_base, operand
 # Registers per thread after setmaxnreg (see `pipeline.REGISTERS`): when its warp also copied LSE and D through
 # registers, the dK/dV producer spilled 8 bytes with 24 (ptxas, sm_90a, headdim 64); with 40, none.
 REGISTERS = check_registers({1: (56, 256), 2: (40, 232)})
+SHARED_REGISTERS = check_registers({1: (40, 216)}, 2)  # two blocks per multiprocessor (`pipeline.registers`)
 # Launch bounds of at least one block per multiprocessor: with the thread count alone ptxas cannot tell the
 # registers at entry, ignores setmaxnreg (warning C7508) and keeps every thread at 168, where the headdim-64
 # dK/dV kernel spilled 188 bytes.
@@ -102,7 +103,7 @@ def smem_bytes_dq(D, tiles):
 
 
 def _registers(tiles):
-    low, high = REGISTERS[tiles.warpgroups]
+    low, high = (SHARED_REGISTERS if tiles.blocks_per_sm == 2 else REGISTERS)[tiles.warpgroups]
     return setmaxnreg_dec(low), setmaxnreg_inc(high)
 
 
@@ -194,6 +195,7 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
     store_ds = ds_storer(BLOCK_N) if accumulate_dq else None
     add_dq = dq_accumulator(D, tiles, storage) if accumulate_dq else None
     tile_count, tile_of, tile_full = query_tiles(mods, BLOCK_M, BLOCK_N)
+    tile_slot = verdict_slot(mods, BLOCK_M)
     modifier = modifiers(mods, types.float32, fast=True)
     prepare, natural = modifier.prepare, modifier.natural
     write_grad = fragment_writer(D, storage)
@@ -318,7 +320,7 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
             for it in range(ntiles):
                 # A block mask's table is read before the wait (the forward's reason)
                 h, q_start = tile_of(mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, it)
-                full = tile_full(mod, b, hk, key_start, it)
+                full, slot = tile_full(mod, b, hk, key_start, it), tile_slot(mod, b, hk, key_start, it)
                 bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)
                 stage = it % STAGES
                 at = 2 * stage * TILE  # bytes into the rings
@@ -326,7 +328,7 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
                 wait(smem, base + FULL + stage * BARRIER_ELEMENTS, (it // STAGES) & 1)
 
                 step(smem, descs, at, s, dp, dlogit, p, d_s, dk_acc, dv_acc, stats, st, q_start, warp_key, key_start,
-                     g, t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh, full)
+                     g, t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh, full, mod, slot)
                 # The warpgroup's threads read the stage's LSE and D with ordinary loads; each then arrives at
                 # the stage's release barrier, where the producer's warp waits before the copy engine overwrites
                 # the stage. With a barrier of the warpgroup and then one thread's arrival on an empty mbarrier

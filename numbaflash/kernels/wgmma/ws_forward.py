@@ -51,7 +51,7 @@ from ..sequences import sequence_starts, sequences
 from ..softmax import steps
 from . import tensor_maps
 from .forward import layout
-from .pipeline import BARRIER_ELEMENTS, PRODUCER, REGISTERS, bulk_copier, hand_over, release, tail_zeroer, wait
+from .pipeline import BARRIER_ELEMENTS, PRODUCER, bulk_copier, hand_over, release, registers, tail_zeroer, wait
 from .tiles import ALIGN, advance, aligned_base, descriptors, pack_p, products, stager
 
 # Ping-pong: consumer warpgroup w waits on named barrier TURN + w before it issues a tile's products and
@@ -102,8 +102,8 @@ def build(D, tiles, storage, mods=NONE):
     tile_slot = verdict_slot(mods, BLOCK_M)
     SPARSE = mods.block_sparse
     write_out = fragment_writer(D, storage)
-    release_registers, take_registers = (setmaxnreg_dec(REGISTERS[CONSUMERS][0]),
-                                         setmaxnreg_inc(REGISTERS[CONSUMERS][1]))
+    low, high = registers(tiles)
+    release_registers, take_registers = setmaxnreg_dec(low), setmaxnreg_inc(high)
 
     @device_function
     def landed(smem, barrier, vec):
