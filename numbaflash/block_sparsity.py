@@ -185,11 +185,12 @@ class BlockMask:
                 table[b, hk, kt, visits + 2:visits + 2 + len(entries)] = np.concatenate(slots)
             # The verdicts of (query rows x keys) tiles, transposed to (keys x query rows) words
             rows = self._partial_bits(np.array(partial, np.int64).reshape(-1, 4), block_n, block_m, left, right)
-            shown = np.unpackbits(rows.view(np.uint8), axis=2, bitorder="little")[:, :, :block_m]
-            words = -(-block_n // 32)
-            shown = np.pad(shown.transpose(0, 2, 1), ((0, 0), (0, 0), (0, 32 * words - block_n)))
+            # (a C-contiguous array to pack: np.pad of the transposed view kept its strides on NumPy 2.4)
+            shown = np.zeros((len(rows), block_m, 32 * -(-block_n // 32)), np.uint8)
+            verdicts = np.unpackbits(rows.view(np.uint8), axis=2, bitorder="little")[:, :, :block_m]  # (P, rows, keys)
+            shown[:, :, :block_n] = verdicts.transpose(0, 2, 1)
             bits = np.packbits(shown, axis=2, bitorder="little").view(np.int32)
-            self._tables[key] = (_arrays.from_host(like, table), _arrays.from_host(like, np.ascontiguousarray(bits)))
+            self._tables[key] = (_arrays.from_host(like, table), _arrays.from_host(like, bits))
         return self._tables[key]
 
     def visible_scores(self, left, right, batch, nheads):

@@ -377,6 +377,18 @@ def test_the_bits_of_partial_tiles_are_the_mask_where_the_window_shows_it(left, 
     assert slots == len(bits) > 0
 
 
+def test_a_single_partial_tile_of_whole_words_transposes_its_bits():
+    """The dK/dV pass's bits of one partial 32 x 32 tile (no padding word: the packing must not see the
+    transposed view's strides, which NumPy keeps through np.pad for a leading axis of 1)."""
+    bm = numbaflash.block_mask(lambda b, h, i, j: not (i == 3 and j == 5), None, None, 32, 32)
+    like = numbaflash._arrays.Operand(np.zeros(1, np.int32), "numpy", (1,), (4,), "int32", -1, 0)
+    table, bits = (x.obj for x in bm.query_tiles(32, 32, -1, -1, 1, like))
+    assert bits.shape == (1, 32, 1) and bits.flags.c_contiguous and table[0, 0, 0, 3] == 0  # one visit: its slot
+    want = np.full(32, 0xFFFFFFFF, np.uint32)
+    want[5] &= ~np.uint32(1 << 3)  # key 5 hides query row 3
+    assert np.array_equal(bits[0, :, 0].view(np.uint32), want)
+
+
 def same_document_per_head(b, h, q_idx, kv_idx, doc):
     return doc[h, q_idx] == doc[h, kv_idx]
 
