@@ -295,10 +295,16 @@ def test_a_compile_error_names_the_function_and_its_line():
 
 # -- block masks
 
-# Block masks' tiles at headdim 64 (`tiling.WGMMA_BLOCK_SPARSE_TILES`): two blocks of one consumer per
-# multiprocessor, their registers shared out as such (`wgmma.pipeline.registers`), on the simulator's smallest tiles.
-SHARED_SM = {"wgmma v5, two blocks per multiprocessor": (
-    "float16", tiling.WgmmaTiles(64, 16, 1, producer=True, tma=True, blocks_per_sm=2))}
+# Block masks' tiles at headdim 64: two blocks of one consumer per multiprocessor, their registers shared out as
+# such (`wgmma.pipeline.registers`); on a GPU the plans' own (`tiling.WGMMA_BLOCK_SPARSE_TILES` and
+# `WGMMA_BLOCK_SPARSE_BACKWARD_TILES`), on the simulator its smallest.
+SHARED = "wgmma v5, two blocks per multiprocessor"
+
+
+def shared_tiles(mode, backward=False):
+    if mode == "gpu":
+        return (tiling.WGMMA_BLOCK_SPARSE_BACKWARD_TILES if backward else tiling.WGMMA_BLOCK_SPARSE_TILES)[64]
+    return tiling.WgmmaTiles(64, 16, 1, producer=True, tma=True, blocks_per_sm=2)
 
 
 def test_a_block_mask_gives_the_dense_mask_mod_result(arrays, mode):
@@ -312,7 +318,7 @@ def test_a_block_mask_gives_the_dense_mask_mod_result(arrays, mode):
     doc = np.repeat(np.arange(4), [6, 20, 3, seqlen - 29]).astype(np.int32)[None]  # (1, seqlen)
     bm = numbaflash.block_mask(same_document_causal, None, None, seqlen, seqlen, mod_args=(doc,))
     assert 0 < bm.density(16, 16) < 1
-    for family, (dtype, tiles) in dict(FAMILIES, **SHARED_SM).items():
+    for family, (dtype, tiles) in dict(FAMILIES, **{SHARED: ("float16", shared_tiles(mode))}).items():
         case = Case(1, seqlen, seqlen, 1, 1, 16, dtype, seed=8)
         q, k, v = (to_device(x) for x in inputs(case))
         forward = forward_of(case, tiles)
@@ -401,7 +407,7 @@ BACKWARD_FAMILIES = {
     "wgmma v3": ("float16", tiling.WGMMA_CP_ASYNC_BACKWARD_TILES[64], True),
     "wgmma v5": ("float16", tiling.SIMULATOR_WGMMA_BACKWARD_TILES, True),
     "wgmma v5 atomic dQ": ("bfloat16", tiling.WgmmaTiles(64, 64, 1, producer=True, tma=True), False),
-    "wgmma v5, two blocks per multiprocessor": ("float16", SHARED_SM["wgmma v5, two blocks per multiprocessor"][1], True),
+    SHARED: ("float16", None, True),  # `shared_tiles`
 }
 
 
@@ -414,6 +420,7 @@ def test_a_block_masked_backward_skips_empty_tiles_in_both_passes(family, arrays
     the dense mask_mod call's bit for bit (the atomic dQ, which sums in a varying order, to an ulp)."""
     to_device, to_host = arrays
     dtype, tiles, deterministic = BACKWARD_FAMILIES[family]
+    tiles = shared_tiles(mode, backward=True) if family == SHARED else tiles
     seqlen = 80 if mode == "simulator" else 2048
     doc = np.stack([np.repeat(np.arange(2), [64, seqlen - 64]),
                     np.repeat(np.arange(3), [16, 48, seqlen - 64])]).astype(np.int32)  # (nheads, seqlen)
