@@ -467,8 +467,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         plan: a ``plan(..., backward=True)`` for this call.
         softcap, alibi_slopes, score_mod, score_mod_grad, mask_mod, mod_args, block_mask: as passed to
             `attention`; with a ``score_mod``, ``score_mod_grad`` is required. With a block mask both passes
-            visit only its non-empty tiles; on the partial ones the dK/dV pass calls its mask_mod, and the dQ
-            pass reads the verdicts the block mask kept as bits (tensor-core kernels) or calls it (CUDA cores).
+            visit only its non-empty tiles; on the partial ones they read the verdicts the block mask kept as
+            bits (tensor-core kernels; the dK/dV pass's transposed) or call its mask_mod (CUDA cores).
         deterministic: True (the default): no atomics, repeated calls return bitwise identical gradients.
             False (flash-attn's meaning) allows a backward whose dQ sums in a varying order: with v5's tiles
             asked for (``plan=``), the wgmma backward then forms dQ in its dK/dV kernel and adds it with
@@ -586,14 +586,11 @@ def _block_mask_lines(call, the_plan, backward):
         if the_plan.dq_strategy != "atomic":
             tiles += f" and {call.block_mask.density(bm, bn):.1%} of the {bm} x {bn} tiles of the dQ pass"
         tiles += " are not empty: the backward visits"
-    # The tensor-core forwards and dQ passes read bits; the CUDA cores and every dK/dV pass call mask_mod.
-    bits = "reads the block mask's verdicts (kept as bits when it made its tiles)"
-    if isinstance(the_plan.tiles, tiling.Tiles) or (backward and the_plan.dq_strategy == "atomic"):
+    # The tensor-core kernels read bits (a dK/dV pass its transposed ones); the CUDA-core kernels call mask_mod.
+    if isinstance(the_plan.tiles, tiling.Tiles):
         partial = "calls mask_mod on the partial ones"
-    elif backward:
-        partial = f"on the partial ones calls mask_mod in the dK/dV pass and {bits} in the dQ pass"
     else:
-        partial = f"on the partial ones {bits}"
+        partial = "on the partial ones reads the block mask's verdicts (kept as bits when it made its tiles)"
     return [f"block mask  {tiles} only those, and {partial} (the HBM traffic and the GPU line below count only "
             "those)"]
 

@@ -5,11 +5,13 @@ Both families hold a warp's score tile in the accumulator layout (`fragments`): 
 dK/dV kernels compute the transposed tiles (rows are keys, columns query rows), the dQ kernels the
 plain ones (rows are query rows, columns keys). The steps, after the score products:
 
-* `transposed_steps` -> ``probabilities(s, dlogit, stats, lse_at, q_start, c0, warp_key, key_start, key_end,
-  ...)``: S^T of query rows ``q_start + c0 ..`` (columns ``c0 ..`` of a tile of rows from ``q_start``) becomes
-  P^T = exp2(logit(S^T) - LSE) in place, 0 where the mask hides the score (``block_full``: a block mask found
-  the mask_mod true on the whole tile, so it is not asked), and with score modifications
-  ``dlogit`` the modification's derivative; the LSE of tile column ``c`` is ``stats[lse_at + c]``.
+* `transposed_steps` -> ``probabilities(s, dp, dlogit, stats, lse_at, delta_at, q_start, c0, warp_key, key_start,
+  key_end, ..., block_full, mod, slot)``: S^T of query rows ``q_start + c0 ..`` (columns ``c0 ..`` of a tile of
+  rows from ``q_start``) becomes P^T = exp2(logit(S^T) - LSE) in place, 0 where the mask hides the score
+  (``block_full``: a block mask found the mask_mod true on the whole tile, so it is not asked; otherwise, with a
+  block mask, its verdicts come from the tile's transposed bits at ``slot``, and mask_mod is not called), and
+  with score modifications ``dlogit`` the modification's derivative; the LSE of tile column ``c`` is
+  ``stats[lse_at + c]``.
   ``ds(s, dp, dlogit, stats, delta_at, t)``: dP^T becomes dS^T = P^T (dP^T - D) (times ``dlogit``), D of
   column ``c`` at ``stats[delta_at + c]``.
 * `row_steps` -> ``(rows, ds)``: ``rows(lse2, dsum, lo_r, hi_r, lse, delta, ...)`` loads a warp's rows'

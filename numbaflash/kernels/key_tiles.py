@@ -84,7 +84,8 @@ def key_tiles(mods, BLOCK_M, BLOCK_N):
 
 def verdict_slot(mods, BLOCK_M):
     """``slot(mod, b, h, row_start, it)``: the slot of the ``it``-th key tile's verdicts in the block mask's bits
-    (-1 for a full tile, and without a block mask)."""
+    (-1 for a full tile, and without a block mask); for a dK/dV pass (`query_tiles`, whose table has the same
+    layout) ``slot(mod, b, hk, key_start, it)``, of its ``it``-th visit."""
     if mods.block_sparse:
         entry = table_entry(BLOCK_M)
 

@@ -14,9 +14,11 @@ that see its keys:
   kernel skips mask_mod there); False without a block mask.
 
 With a block mask (``mods.block_sparse``) ``mod[0]`` is `numbaflash.block_sparsity.BlockMask.query_tiles`'s
-(table, unused bits), the table made for these tiles, the call's causal/window mask and GQA group: entry 0
-of a key block is its count, entries 1.. are ``2 * (j * query tiles + query tile) + full`` for the group's
-``j``-th head.
+``(table, bits)``, made for these tiles, the call's causal/window mask and GQA group: entry 0 of a key block
+is its count, entries 1.. are ``2 * (j * query tiles + query tile) + full`` for the group's ``j``-th head, and
+after them each partial visit's slot in ``bits``, as `key_tiles` lays out its table, so that
+`key_tiles.verdict_slot` reads it; the bits are transposed (a row per key, a bit per query row), which
+`key_tiles.verdict_word` and `shown` read for the tensor-core dK/dV passes (`gradients.transposed_steps`).
 """
 
 from .intrinsics import device_function
