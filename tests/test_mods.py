@@ -346,40 +346,35 @@ def test_the_bits_of_partial_tiles_are_the_mask_where_the_window_shows_it(left, 
     # forwards' and dQ pass's partial tiles read only the bits, so the causal/window mask must be in them.
     queries = [x.obj for x in bm.query_tiles(cols, rows, left, right, 1, like)]
     assert all(x.flags.c_contiguous for x in [table, bits] + queries)
-    classes = bm.classify(rows, cols)
     want = reference.visible_mask(seqlen_q, seqlen_k, causal=False, window_size=(left, right)) & \
         numbaflash.mods.visible(same_document_causal, (1, 1, seqlen_q, seqlen_k), (doc,))[0, 0]
-    slots = 0
-    half = table.shape[3] // 2
-    for qt in range(table.shape[2]):
-        count = table[0, 0, qt, 0]
-        for entry, slot in zip(table[0, 0, qt, 1:1 + count], table[0, 0, qt, half + 1:half + 1 + count]):
-            kt = entry >> 1
-            assert (slot >= 0) == (classes[0, 0, qt, kt] == block_sparsity.PARTIAL)
-            if slot >= 0:
-                slots += 1
-                r0, c0 = qt * rows, kt * cols
-                tile = want[r0:r0 + rows, c0:c0 + cols]
-                got = (bits[slot].view(np.uint32)[:, :, None] >> np.arange(32, dtype=np.uint32)) & 1  # (rows, words, 32)
-                got = got.reshape(rows, -1)[:tile.shape[0], :tile.shape[1]].astype(bool)
-                assert np.array_equal(got, tile), (qt, kt)
-    assert slots == len(bits) > 0
+    partial = bm.classify(rows, cols)[0, 0] == block_sparsity.PARTIAL
+
+    def tile(qt, kt):
+        return want[qt * rows:(qt + 1) * rows, kt * cols:(kt + 1) * cols]
+
+    assert_bits_match(table, bits, lambda qt, kt: (partial[qt, kt], tile(qt, kt)))
     # The dK/dV pass's: blocks of `cols` keys streaming tiles of `rows` query rows, the same verdicts transposed
     # (a row of bits per key, a bit per query row).
-    table, bits = queries
-    classes, slots = bm.classify(rows, cols), 0
+    assert_bits_match(*queries, lambda kt, qt: (partial[qt, kt], tile(qt, kt).T))
+
+
+def assert_bits_match(table, bits, expected):
+    """Each visit of a block-mask ``table`` (`BlockMask.key_tiles` or `query_tiles`, one head) has a slot exactly
+    when ``expected(block, visited tile)`` says its tile is partial, and that slot's ``bits`` are the verdicts
+    ``expected`` gives for it (rows x columns); every slot is used."""
+    slots = 0
     half = table.shape[3] // 2
-    for kt in range(table.shape[2]):
-        count = table[0, 0, kt, 0]
-        for entry, slot in zip(table[0, 0, kt, 1:1 + count], table[0, 0, kt, half + 1:half + 1 + count]):
-            qt = entry >> 1
-            assert (slot >= 0) == (classes[0, 0, qt, kt] == block_sparsity.PARTIAL)
+    for block in range(table.shape[2]):
+        count = table[0, 0, block, 0]
+        for entry, slot in zip(table[0, 0, block, 1:1 + count], table[0, 0, block, half + 1:half + 1 + count]):
+            partial, verdicts = expected(block, entry >> 1)
+            assert (slot >= 0) == partial, (block, entry >> 1)
             if slot >= 0:
                 slots += 1
-                tile = want[qt * rows:(qt + 1) * rows, kt * cols:(kt + 1) * cols].T  # (keys, query rows)
-                got = (bits[slot].view(np.uint32)[:, :, None] >> np.arange(32, dtype=np.uint32)) & 1
-                got = got.reshape(cols, -1)[:tile.shape[0], :tile.shape[1]].astype(bool)
-                assert np.array_equal(got, tile), (kt, qt)
+                got = (bits[slot].view(np.uint32)[:, :, None] >> np.arange(32, dtype=np.uint32)) & 1  # (rows, words, 32)
+                got = got.reshape(bits.shape[1], -1)[:verdicts.shape[0], :verdicts.shape[1]].astype(bool)
+                assert np.array_equal(got, verdicts), (block, entry >> 1)
     assert slots == len(bits) > 0
 
 
