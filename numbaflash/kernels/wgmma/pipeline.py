@@ -37,9 +37,10 @@ check_registers(REGISTERS)
 check_registers(SHARED_REGISTERS, 2)
 
 
-def registers(tiles):
-    """``(producer's, consumers')`` registers per thread after setmaxnreg for `WgmmaTiles` ``tiles``."""
-    return (SHARED_REGISTERS if tiles.blocks_per_sm == 2 else REGISTERS)[tiles.warpgroups]
+def registers(tiles, tables=(REGISTERS, SHARED_REGISTERS)):
+    """``(producer's, consumers')`` registers per thread after setmaxnreg for `WgmmaTiles` ``tiles``, from
+    ``tables``: one block per multiprocessor's, two blocks'."""
+    return tables[tiles.blocks_per_sm - 1][tiles.warpgroups]
 
 
 @device_function

@@ -50,14 +50,14 @@ from ..query_tiles import query_tiles
 from . import tensor_maps
 from .backward import dkdv_step, dq_step
 from ..sequences import sequence_starts, sequences, stats_tile_rows
-from .pipeline import (BARRIER_ELEMENTS, PRODUCER, bulk_copier, check_registers, hand_over, release, tail_zeroer,
-                       wait)
+from .pipeline import (BARRIER_ELEMENTS, PRODUCER, bulk_copier, check_registers, hand_over, registers, release,
+                       tail_zeroer, wait)
 from .tiles import ALIGN, ATOM, advance, aligned_base, operand
 
 # Registers per thread after setmaxnreg (see `pipeline.REGISTERS`): when its warp also copied LSE and D through
 # registers, the dK/dV producer spilled 8 bytes with 24 (ptxas, sm_90a, headdim 64); with 40, none.
 REGISTERS = check_registers({1: (56, 256), 2: (40, 232)})
-SHARED_REGISTERS = check_registers({1: (40, 216)}, 2)  # two blocks per multiprocessor (`pipeline.registers`)
+SHARED_REGISTERS = check_registers({1: (40, 216)}, 2)  # two blocks per multiprocessor (`pipeline.SHARED_REGISTERS`)
 # Launch bounds of at least one block per multiprocessor: with the thread count alone ptxas cannot tell the
 # registers at entry, ignores setmaxnreg (warning C7508) and keeps every thread at 168, where the headdim-64
 # dK/dV kernel spilled 188 bytes.
@@ -103,7 +103,7 @@ def smem_bytes_dq(D, tiles):
 
 
 def _registers(tiles):
-    low, high = (SHARED_REGISTERS if tiles.blocks_per_sm == 2 else REGISTERS)[tiles.warpgroups]
+    low, high = registers(tiles, (REGISTERS, SHARED_REGISTERS))
     return setmaxnreg_dec(low), setmaxnreg_inc(high)
 
 
