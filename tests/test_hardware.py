@@ -227,3 +227,16 @@ def test_explain_counts_a_block_masks_tiles_on_the_gpu_line():
     mask = numbaflash.block_mask(causal_mask, None, None, 64, 64)
     assert numbaflash.explain(q, q, q, block_mask=mask).split("on the GPU")[1] == \
         numbaflash.explain(q, q, q, causal=True).split("on the GPU")[1]
+
+
+def test_tiles_of_two_blocks_per_multiprocessor_keep_two_resident():
+    """The L2 model runs as many blocks at a time as the GPU holds: tiles compiled for two blocks per
+    multiprocessor (a block mask's at headdim 64) keep twice the SMs' count resident, the same tiles compiled
+    for one keep one per SM (their 255 registers a thread), and the backward's preprocess its own."""
+    shared = tiling.WGMMA_BLOCK_SPARSE_BACKWARD_TILES[64]
+    for tiles, per_sm in ((shared, 2), (tiling.WgmmaTiles(64, 64, 1, producer=True, tma=True), 1)):
+        for backward in (False, True):
+            kernels = traffic(1, 4, 4, 2048, 2048, 64, "float16", backward=backward, tiles=tiles)
+            assert [k.resident_blocks for k in kernels if "preprocess" not in k.kernel] == \
+                [per_sm * hardware.H100.sm_count] * (2 if backward else 1)
+            assert all(k.resident_blocks > 2 * hardware.H100.sm_count for k in kernels if "preprocess" in k.kernel)
