@@ -448,6 +448,9 @@ class Plan:
             owner = f"{t.warps} warps, each owning {rows}; mma.sync m16n8k16, float32 accumulators"
         else:
             owner = f"each thread owns a {t.thread_m} x {t.thread_n} patch of every score tile"
+        if t.blocks_per_sm > 1:
+            owner += (f"; {t.blocks_per_sm} blocks per multiprocessor (launch bounds: "
+                      f"{65536 // (t.blocks_per_sm * t.threads)} registers a thread at entry)")
         lines = [
             f"kernel      {self.kernel} ({self.direction}, {self.dtype}) on {self.device}",
             f"why         {self.reason}",

@@ -544,7 +544,8 @@ def test_only_the_users_per_score_functions_keep_headdim_64_at_two_consumers():
         forward, backward = plan(mods), plan(mods, backward=True)
         assert forward.tiles == tiling.WGMMA_BLOCK_SPARSE_TILES[64]
         assert backward.tiles == tiling.WGMMA_BLOCK_SPARSE_BACKWARD_TILES[64]
-        assert all(tiling.SHARED_BLOCKS_REASON in p.reason for p in (forward, backward))
+        assert all(tiling.SHARED_BLOCKS_REASON in p.reason and "2 blocks per multiprocessor (launch bounds: 128 "
+                   "registers a thread at entry)" in p.describe() for p in (forward, backward))
         assert plan(mods, headdim=128).tiles == tiling.WGMMA_TILES[128]
         assert plan(mods, headdim=128, backward=True).tiles == tiling.WGMMA_BACKWARD_TILES[128]
     assert tiling.SHARED_BLOCKS_REASON not in plan(Mods()).reason
