@@ -102,6 +102,37 @@ def smem_bytes_dq(D, tiles):
     return 2 * layout_dq(D, tiles)[-1] + ALIGN
 
 
+def pair_copier(D):
+    """``copy_pair(smem, landed, maps, which, first_at, second_at, head, row, at, rows, extra)``: rows ``row ..``
+    of ``head`` of two operands, maps ``which`` and ``which + 1`` (Q and dO, or K and V), into the tiles at
+    ``first_at`` and ``second_at``, landing on ``landed``, which expects them and ``extra`` bytes more (copied
+    after)."""
+    copy_tile = bulk_copier(D)
+
+    @device_function
+    def copy_pair(smem, landed, maps, which, first_at, second_at, head, row, at, rows, extra):
+        mbarrier_arrive_expect_tx(smem, landed, 2 * 2 * rows * D + extra)
+        copy_tile(smem, first_at, landed, maps, which, head, row, at, rows)
+        copy_tile(smem, second_at, landed, maps, which + 1, head, row, at, rows)
+
+    return copy_pair
+
+
+def pair_zeroer(D):
+    """``zero_pair(smem, words, first_at, second_at, rows, first, full, lane)``: the producer's first warp zeroes
+    rows ``first ..`` of the two streamed ``rows``-row tiles a packed sequence's last tile brought past its end,
+    and hands them to the consumers on ``full`` (`pipeline.tail_zeroer`)."""
+    zero_rows = tail_zeroer(D)
+
+    @device_function
+    def zero_pair(smem, words, first_at, second_at, rows, first, full, lane):
+        zero_rows(words, first_at, rows, first, lane)
+        zero_rows(words, second_at, rows, first, lane)
+        hand_over(smem, full, lane)
+
+    return zero_pair
+
+
 def _registers(tiles):
     low, high = registers(tiles, (REGISTERS, SHARED_REGISTERS))
     return setmaxnreg_dec(low), setmaxnreg_inc(high)
@@ -185,12 +216,11 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
         raise ValueError(f"{tiles}: the atomic dQ does not take packed (varlen) sequences")
     starts = sequence_starts(mods, stats_tile_rows(tiles))
     sequence = sequences(mods)
-    zero_rows = tail_zeroer(D)
+    copy_pair, zero_pair = pair_copier(D), pair_zeroer(D)
     TILE = BLOCK_N * D  # elements of one Q or dO stage
     STATS_BYTES = 2 * 4 * BLOCK_N  # a tile's LSE and D
     ACCUMULATE_DQ = accumulate_dq
     RELEASE_THREADS = 128 + 32  # a consumer warpgroup arriving, the producer's warp waiting
-    copy_tile = bulk_copier(D)
     operands, step = dkdv_step(D, tiles, storage, mods)
     store_ds = ds_storer(BLOCK_N) if accumulate_dq else None
     add_dq = dq_accumulator(D, tiles, storage) if accumulate_dq else None
@@ -208,9 +238,8 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
         # ``landed`` (the stage's full mbarrier, or a packed sequence's tail's); q_seq, stats_first, at: where the
         # block's sequence lies in the operands and the staged stats (`sequences.sequence_starts`).
         s = it % STAGES
-        mbarrier_arrive_expect_tx(smem, landed, 2 * 2 * BLOCK_N * D + STATS_BYTES)
-        copy_tile(smem, base + Q_AT + s * TILE, landed, maps, 0, h, q_seq + q_start, at, BLOCK_N)
-        copy_tile(smem, base + DO_AT + s * TILE, landed, maps, 1, h, q_seq + q_start, at, BLOCK_N)
+        copy_pair(smem, landed, maps, 0, base + Q_AT + s * TILE, base + DO_AT + s * TILE, h, q_seq + q_start, at,
+                  BLOCK_N, STATS_BYTES)
         # The tile's LSE, then its D (float32: two 16-bit elements each), as the consumers read them.
         stats_at = base + STATS_AT + s * 4 * BLOCK_N
         bulk_load(smem, stats_at, delta, (at, h, 0, stats_first + q_start), STATS_BYTES // 2, landed)
@@ -237,9 +266,7 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
         if lane == 0:
             for which in range(4):  # Q, dO, K, V
                 tensormap_acquire(maps, which)
-            mbarrier_arrive_expect_tx(smem, base + KV_FULL, 2 * 2 * BLOCK_M * D)
-            copy_tile(smem, base + K_AT, base + KV_FULL, maps, 2, hk, k_seq + key_start, at, BLOCK_M)
-            copy_tile(smem, base + V_AT, base + KV_FULL, maps, 3, hk, k_seq + key_start, at, BLOCK_M)
+            copy_pair(smem, base + KV_FULL, maps, 2, base + K_AT, base + V_AT, hk, k_seq + key_start, at, BLOCK_M, 0)
         tails = 0  # one per query head of the group: the tail mbarrier's phases
         for it in range(ntiles):
             # A block mask's table is read while the consumers finish the stage's last tile.
@@ -254,9 +281,8 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
                                 base + TAIL if tail else full)
             if tail:
                 wait(smem, base + TAIL, tails & 1)
-                zero_rows(words, base + Q_AT + s * TILE, BLOCK_N, seqlen_q - q_start, lane)
-                zero_rows(words, base + DO_AT + s * TILE, BLOCK_N, seqlen_q - q_start, lane)
-                hand_over(smem, full, lane)
+                zero_pair(smem, words, base + Q_AT + s * TILE, base + DO_AT + s * TILE, BLOCK_N, seqlen_q - q_start,
+                          full, lane)
                 tails += 1
         for it in range(max(ntiles - STAGES, 0), ntiles):  # every consumer's arrivals are met
             freed(it)
@@ -381,9 +407,8 @@ def build_dq(D, tiles, storage, mods=NONE):
     PACKED = mods.packed
     starts = sequence_starts(mods, stats_tile_rows(tiles))
     sequence = sequences(mods)
-    zero_rows = tail_zeroer(D)
+    copy_pair, zero_pair = pair_copier(D), pair_zeroer(D)
     TILE = BLOCK_N * D  # elements of one K or V stage
-    copy_tile = bulk_copier(D)
     operands, step = dq_step(D, tiles, storage, mods)
     rows, _ = row_steps(1, NT, mods, staged=True)
     tile_count, tile_start, tile_full = key_tiles(mods, BLOCK_M, BLOCK_N)
@@ -403,9 +428,7 @@ def build_dq(D, tiles, storage, mods=NONE):
         if lane == 0:
             for which in range(4):  # Q, dO, K, V
                 tensormap_acquire(maps, which)
-            mbarrier_arrive_expect_tx(smem, base + QDO_FULL, 2 * 2 * BLOCK_M * D)
-            copy_tile(smem, base + Q_AT, base + QDO_FULL, maps, 0, h, q_seq + row_start, at, BLOCK_M)
-            copy_tile(smem, base + DO_AT, base + QDO_FULL, maps, 1, h, q_seq + row_start, at, BLOCK_M)
+            copy_pair(smem, base + QDO_FULL, maps, 0, base + Q_AT, base + DO_AT, h, q_seq + row_start, at, BLOCK_M, 0)
         for it in range(ntiles):
             s = it % STAGES
             n_start = tile_start(mod, b, h, row_start, n_base, it)  # a block mask's table read while the stage drains
@@ -414,14 +437,12 @@ def build_dq(D, tiles, storage, mods=NONE):
             tail = PACKED and n_start + BLOCK_N > seqlen_k
             landed = base + TAIL if tail else full
             if lane == 0:
-                mbarrier_arrive_expect_tx(smem, landed, 2 * 2 * BLOCK_N * D)
-                copy_tile(smem, base + K_AT + s * TILE, landed, maps, 2, hk, k_seq + n_start, at, BLOCK_N)
-                copy_tile(smem, base + V_AT + s * TILE, landed, maps, 3, hk, k_seq + n_start, at, BLOCK_N)
+                copy_pair(smem, landed, maps, 2, base + K_AT + s * TILE, base + V_AT + s * TILE, hk, k_seq + n_start,
+                          at, BLOCK_N, 0)
             if tail:  # the last tile: one per block
                 wait(smem, base + TAIL, 0)
-                zero_rows(words, base + K_AT + s * TILE, BLOCK_N, seqlen_k - n_start, lane)
-                zero_rows(words, base + V_AT + s * TILE, BLOCK_N, seqlen_k - n_start, lane)
-                hand_over(smem, full, lane)
+                zero_pair(smem, words, base + K_AT + s * TILE, base + V_AT + s * TILE, BLOCK_N, seqlen_k - n_start,
+                          full, lane)
 
     def attention_backward_dq_wgmma_ws(q, k, v, dout, lse, delta, dq, scale_log2, left, right, vec, maps, mod):
         # q, dout, dq: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v: (batch, seqlen_k, nheads_kv,
