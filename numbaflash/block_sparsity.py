@@ -134,12 +134,9 @@ class BlockMask:
             partial = []  # (b, h, query tile, key tile) of each slot, in slot order
             for b, h, qt in np.ndindex(*classes.shape[:3]):
                 tiles = np.flatnonzero(visited[b, h, qt])
-                table[b, h, qt, 0] = len(tiles)
-                table[b, h, qt, 1:1 + len(tiles)] = 2 * tiles + (classes[b, h, qt, tiles] == FULL)
-                is_partial = classes[b, h, qt, tiles] == PARTIAL
-                table[b, h, qt, ktiles + 2:ktiles + 2 + len(tiles)] = np.where(
-                    is_partial, len(partial) + np.cumsum(is_partial) - 1, -1)
-                partial += [(b, h, qt, tile) for tile in tiles[is_partial]]
+                full = classes[b, h, qt, tiles] == FULL
+                _schedule_row(table[b, h, qt], tiles, full, len(partial))
+                partial += [(b, h, qt, tile) for tile in tiles[~full]]
             bits = self._partial_bits(np.array(partial, np.int64).reshape(-1, 4), block_m, block_n, left, right)
             self._tables[key] = (_arrays.from_host(like, table), _arrays.from_host(like, bits))
         return self._tables[key]
@@ -172,18 +169,15 @@ class BlockMask:
             table = np.zeros((batch, kv_heads, key_blocks, 2 * (visits + 1)), np.int32)
             partial = []  # (b, h, query tile, key block) of each slot, in slot order
             for b, hk, kt in np.ndindex(batch, kv_heads, key_blocks):
-                entries, slots = [], []
+                first_slot, pairs, fulls = len(partial), [], []
                 for j in range(group):
                     h = hk * group + j if heads > 1 else 0
                     tiles = np.flatnonzero(visited[b, h, :, kt])
                     full = classes[b, h, tiles, kt] == FULL
-                    entries.append(2 * (j * per_head + tiles) + full)
-                    slots.append(np.where(full, -1, len(partial) + np.cumsum(~full) - 1))
+                    pairs.append(j * per_head + tiles)
+                    fulls.append(full)
                     partial += [(b, h, tile, kt) for tile in tiles[~full]]
-                entries = np.concatenate(entries)
-                table[b, hk, kt, 0] = len(entries)
-                table[b, hk, kt, 1:1 + len(entries)] = entries
-                table[b, hk, kt, visits + 2:visits + 2 + len(entries)] = np.concatenate(slots)
+                _schedule_row(table[b, hk, kt], np.concatenate(pairs), np.concatenate(fulls), first_slot)
             # The verdicts of (query rows x keys) tiles, transposed to (keys x query rows) words
             rows = self._partial_bits(np.array(partial, np.int64).reshape(-1, 4), block_n, block_m, left, right)
             # (a C-contiguous array to pack: np.pad of the transposed view kept its strides on NumPy 2.4)
@@ -206,6 +200,16 @@ class BlockMask:
     def density(self, block_m, block_n):
         """The fraction of tiles that are not empty."""
         return float(np.mean(self.classify(block_m, block_n) != EMPTY))
+
+
+def _schedule_row(row, visits, full, first_slot):
+    """Fill a block's ``row`` of a schedule table (`BlockMask.key_tiles`, `query_tiles`): its count, each visit as
+    ``2 * visit + (1 if full)``, and after the spare entry each visit's slot in the bits, the partial ones
+    numbered from ``first_slot`` in order, -1 for a full one."""
+    n, half = len(visits), len(row) // 2
+    row[0] = n
+    row[1:1 + n] = 2 * visits + full
+    row[half + 1:half + 1 + n] = np.where(full, -1, first_slot + np.cumsum(~full) - 1)
 
 
 def _tile_counts(values, rows, cols):
