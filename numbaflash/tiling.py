@@ -149,6 +149,12 @@ class WgmmaTiles:
     def threads(self):
         return 128 * (self.warpgroups + self.producer)
 
+    @property
+    def entry_registers(self):
+        """Registers a thread starts with under launch bounds of ``blocks_per_sm`` blocks per multiprocessor (of
+        65,536; `kernels.compiled` sets them when ``blocks_per_sm`` > 1), before setmaxnreg shares them out."""
+        return 65536 // (self.blocks_per_sm * self.threads) // 8 * 8
+
     # wgmma gives each warp of a (consumer) warpgroup one m-tile of 16 rows in mma.sync's accumulator layout.
     @property
     def warps(self):
@@ -449,8 +455,8 @@ class Plan:
         else:
             owner = f"each thread owns a {t.thread_m} x {t.thread_n} patch of every score tile"
         if t.blocks_per_sm > 1:
-            owner += (f"; {t.blocks_per_sm} blocks per multiprocessor (launch bounds: "
-                      f"{65536 // (t.blocks_per_sm * t.threads)} registers a thread at entry)")
+            owner += (f"; {t.blocks_per_sm} blocks per multiprocessor (launch bounds: {t.entry_registers} registers a "
+                      "thread at entry)")
         lines = [
             f"kernel      {self.kernel} ({self.direction}, {self.dtype}) on {self.device}",
             f"why         {self.reason}",

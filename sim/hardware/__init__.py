@@ -141,8 +141,7 @@ def tile_visits(plan):
 
 def _blocks_per_sm(launch, gpu, tiles):
     # Tiles that share a multiprocessor are compiled to their share of its registers (their launch bounds)
-    registers = REGISTERS.get(launch.kernel, 255 if tiles.blocks_per_sm == 1 else
-                              gpu.registers_per_sm // (tiles.blocks_per_sm * launch.threads))
+    registers = REGISTERS.get(launch.kernel, 255 if tiles.blocks_per_sm == 1 else tiles.entry_registers)
     limits = (gpu.threads_per_sm // launch.threads, gpu.registers_per_sm // (registers * launch.threads),
               gpu.smem_per_sm // (launch.smem_bytes + 1024), 32)
     return max(1, min(limits))
