@@ -601,13 +601,13 @@ def _plan(kernel, reason, shape, device, D, tiles, smem, registers, dq_strategy=
     bm = tiles.block_m
     query_blocks = (_cdiv(shape["seqlen_q"], bm), nheads, batch)
     if backward:
-        from .kernels.simt.backward import PREPROCESS_ROWS
+        from .kernels.simt.backward import PREPROCESS_ROWS, STAGED_PREPROCESS_ROWS, STAGED_ROWS_PER_WARP
 
         rows = preprocess_grid(shape["seqlen_q"], nheads, batch)
         key_blocks = (_cdiv(shape["seqlen_k"], bm), nheads_kv, batch)
         if _staged_statistics(tiles):
-            padded = preprocess_grid(_padded_rows(shape["seqlen_q"], tiles), nheads, batch)
-            launches = (Launch(kernel + "_preprocess", padded, 32 * PREPROCESS_ROWS, 0),)
+            padded = (_cdiv(_padded_rows(shape["seqlen_q"], tiles), STAGED_PREPROCESS_ROWS), nheads, batch)
+            launches = (Launch(kernel + "_preprocess", padded, 32 * STAGED_PREPROCESS_ROWS // STAGED_ROWS_PER_WARP, 0),)
         else:
             launches = (Launch("simt_backward_preprocess", rows, 32 * PREPROCESS_ROWS, 0),)
         if dq_strategy == "atomic":

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from numbaflash import arguments
-from numbaflash.kernels.simt.backward import PREPROCESS_ROWS
+from numbaflash.kernels.simt.backward import PREPROCESS_ROWS, STAGED_PREPROCESS_ROWS
 from numbaflash.masks import normalize_window
 
 from . import kernels, l2
@@ -178,7 +178,8 @@ def predict(plan, *, causal=False, window_size=(-1, -1), operands=None, gpu=None
     backward = kernels.Walk(plan, ops, kernels.stager_for(plan, backward_vec), left, right, block_mask)
     walks = {
         "forward": lambda ledger: kernels.forward_blocks(forward, ledger),
-        "simt_backward_preprocess": lambda ledger: kernels.preprocess_blocks(plan, ops, PREPROCESS_ROWS, ledger),
+        "simt_backward_preprocess": lambda ledger: kernels.preprocess_blocks(
+            plan, ops, STAGED_PREPROCESS_ROWS if plan.staged_statistics else PREPROCESS_ROWS, ledger),
         "dkdv": lambda ledger: kernels.dkdv_blocks(backward, ledger),
         "dkdvdq": lambda ledger: kernels.dkdv_blocks(backward, ledger, accumulate_dq=True),
         "dq": lambda ledger: kernels.dq_blocks(backward, ledger),

@@ -13,6 +13,7 @@ import numpy as np
 
 from numbaflash import masks
 from numbaflash.tiling import MmaTiles, WgmmaTiles
+from numbaflash.kernels.simt.backward import STAGED_ROWS_PER_WARP
 from numbaflash.kernels.simt.tiles import vector_width
 
 from . import patterns
@@ -292,9 +293,9 @@ def forward_blocks(walk, ledger):
 
 
 def preprocess_blocks(plan, ops, rows_per_block, ledger):
-    """D = rowsum(dO * O): one warp per row reads it in 32-element steps; lane 0 writes D, or with staged
-    statistics (`simt.backward.build_staged_preprocess`) reads the row's LSE and writes both to ``stats``,
-    for rows padded to whole tiles."""
+    """D = rowsum(dO * O): a warp reads each of its rows in 32-element steps (one row per warp: lane 0 writes D;
+    with staged statistics, `simt.backward.build_staged_preprocess`, `STAGED_ROWS_PER_WARP` rows, lane r reads
+    row r's LSE and writes both to ``stats``, for rows padded to whole tiles)."""
     out, delta = ops["out"], ops["delta"]
     staged = plan.staged_statistics
     slots = 32 * -(-plan.headdim // 32)
@@ -318,14 +319,15 @@ def preprocess_blocks(plan, ops, rows_per_block, ledger):
 
 
 def _staged_rows(ledger, lse, stats, b, h, row0, rows):
-    """A staged preprocess block's lane 0 of each row: the LSE loaded inside the sequence, the base-2 LSE and D
-    stored for every row."""
+    """A staged preprocess block's warps, lane r of each its row r: the LSE loaded inside the sequence, the base-2
+    LSE and D stored for every row, one instruction per warp."""
+    by_warp = rows.reshape(-1, STAGED_ROWS_PER_WARP)
     key = ("preprocess lse", rows.size, *_stat_key(lse, b, h, row0, rows.size))
-    addresses = np.where(rows < lse.seqlen, lse.at(b, h, rows), -1)[:, None]
+    addresses = np.where(by_warp < lse.seqlen, lse.at(b, h, by_warp), -1)
     ledger.charge("load", ("lse", b, h, row0), key, _load(lse, addresses, lse.itemsize))
     for which in (0, 1):
         key = ("stats store", rows.size, stats.address(b, h, which, row0) % LINE)
-        addresses = stats.at(b, h, which, rows)[:, None]
+        addresses = stats.at(b, h, which, by_warp)
         ledger.charge("store", (("stats", which), b, h, row0), key, _load(stats, addresses, stats.itemsize))
 
 

@@ -41,6 +41,13 @@ from ..sequences import sequences, stats_start, stats_tile_rows
 from .tiles import in_parts, outer_product, patch_writer, stagers, vector_width
 
 PREPROCESS_ROWS = 8  # query rows per block of the preprocess kernel: one warp each
+# The staged preprocess (v5's): rows per warp, each lane's loads of all of them issued before the sums, and
+# rows per block of 8 warps. H100, N = 16384, 16 heads, torch.profiler (.bench/bwd_split2.py), headdim 64 / 128:
+# a row per warp (32,768 blocks) took 0.107 / 0.116 ms, five times O's and dO's bytes at the memory's rate and
+# 12% of a backward over 8 documents of 2048 tokens; 2 rows per warp 0.054 / 0.073, 4 rows 0.040 / 0.057,
+# 8 rows 0.036 / 0.070 (each lane's loads past 16 per tensor at headdim 128 leave fewer warps resident).
+STAGED_ROWS_PER_WARP = 4
+STAGED_PREPROCESS_ROWS = 8 * STAGED_ROWS_PER_WARP
 LOG2E = math.log2(math.e)
 
 
@@ -151,24 +158,47 @@ def build_staged_preprocess(D, tiles, storage, mods=NONE):
     ACC, to_acc, _ = elements.codec(storage)
     storage_type = types.Array(from_dtype(elements.kernel_dtype(storage)), 4, "A")
     signature = (storage_type, storage_type, types.Array(ACC, 3, "A"), types.Array(ACC, 4, "C"))
-    rowsum, lse2 = _rowsum(ACC, to_acc), log2_lse(ACC)
+    lse2 = log2_lse(ACC)
     PACKED, sequence = mods.packed, sequences(mods)
     WHOLE = stats_tile_rows(tiles)
+    ROWS, STEPS, ZERO = STAGED_ROWS_PER_WARP, D // 32, ACC(0)
+    LOADS = ROWS * STEPS  # a lane's elements of O (and of dO)
 
     @device_function
     def staged_rows(out, dout, lse, stats, mod):
         # out, dout: (batch, seqlen_q, nheads, headdim); lse: (batch, nheads, seqlen_q); stats: (batch, nheads,
         # 2, seqlen_q padded), or (1, nheads, 2, rows) for packed sequences
-        b, h, row, lane = warp_row()
+        b, h = cuda.blockIdx.z, cuda.blockIdx.y
+        lane = cuda.threadIdx.x % 32
+        row0 = cuda.blockIdx.x * STAGED_PREPROCESS_ROWS + (cuda.threadIdx.x // 32) * ROWS  # the warp's first row
         first, padded, at = 0, stats.shape[3], b
         if PACKED:  # the block's own sequence (`kernels.sequences`)
             q_start, q_end, _, _ = sequence(mod, b)
             out, dout, lse = out[:, q_start:q_end], dout[:, q_start:q_end], lse[:, :, q_start:q_end]
             first, padded, at = stats_start(q_start, b, WHOLE), (q_end - q_start + WHOLE - 1) // WHOLE * WHOLE, 0
-        total = rowsum(out, dout, b, h, row, lane)
-        if row < padded and lane == 0:
+        seqlen, headdim = out.shape[1], out.shape[3]
+        o = cuda.local.array(LOADS, ACC)
+        g = cuda.local.array(LOADS, ACC)
+        if seqlen > 0:  # block-uniform (a packed sequence may have no rows)
+            # Every load of the warp's rows first, at addresses clamped into the tensors: each inside its own
+            # bounds test, each load's use followed it and the loads ran one after another (SASS, ptxas 13.0).
+            for r in range(ROWS):
+                for step in range(STEPS):
+                    row, d = min(row0 + r, seqlen - 1), min(step * 32 + lane, headdim - 1)
+                    o[r * STEPS + step], g[r * STEPS + step] = to_acc(out[b, row, h, d]), to_acc(dout[b, row, h, d])
+        mine = ZERO  # lane r keeps row r's sum and stores its statistics: one store per warp and array
+        for r in range(ROWS):
+            total = ZERO
+            for step in range(STEPS):
+                if row0 + r < seqlen and step * 32 + lane < headdim:
+                    total += o[r * STEPS + step] * g[r * STEPS + step]
+            total = group_sum(total, 32)  # every lane of the warp takes part, in bounds or not
+            if lane == r:
+                mine = total
+        row = row0 + lane
+        if lane < ROWS and row < padded:
             stats[at, h, 0, first + row] = lse2(lse, b, h, row)
-            stats[at, h, 1, first + row] = total
+            stats[at, h, 1, first + row] = mine
 
     if PACKED:
         def attention_backward_staged_preprocess(out, dout, lse, stats, mod):
