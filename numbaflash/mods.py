@@ -70,8 +70,9 @@ class Mods:
     @property
     def softcap_alone(self):
         """softcap without ALiBi or a score_mod: the forwards keep its scores as ``tanh(x / softcap)`` and fold the
-        cap into the softmax's scale (`kernels.softmax`), and at headdim 64 tanh and ex2 per score bound the
-        special-function unit (`tiling.WGMMA_SOFTCAP_TILES`)."""
+        cap into the softmax's scale (`kernels.softmax`), the backwards into the exponent's FFMA with the LSE
+        (`kernels.mods`' ``logit2``), and at headdim 64 tanh and ex2 per score bound the special-function unit
+        (`tiling.WGMMA_SOFTCAP_TILES`)."""
         return self.softcap and not self.alibi and self.score_mod is None
 
     @property

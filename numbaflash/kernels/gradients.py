@@ -180,7 +180,7 @@ def _transposed_probabilities(M, NT, mods, TESTED, FUSED, BITS):
                         seen = not TESTED or (key >= lo_q and key < hi_q and (not GUARDED or (row < seqlen_q and (
                             block_full or visible(b, h, row, key, bh)))))
                     if seen:
-                        x, grad = logit2(s[mi * NT + j, 2 * half + e] * scale_log2, b, h, row, key,
+                        x, grad = logit2(s[mi * NT + j, 2 * half + e], scale_log2, b, h, row, key,
                                          abs(distance + types.float32(8 * j + e - lane_row(r, 0))), bh)
                         p = ex2(x - lse2)
                     s[mi * NT + j, 2 * half + e] = p
@@ -320,7 +320,7 @@ def _row_ds(M, NT, mods, TESTED):
                         seen = key >= lo_r[r] and key < hi_r[r] and (not GUARDED or (
                             row < seqlen_q and (block_full or visible(b, h, row, key, bh))))
                     if seen:
-                        x2, grad = logit2(s[x, 2 * half + e] * scale_log2, b, h, row, key,
+                        x2, grad = logit2(s[x, 2 * half + e], scale_log2, b, h, row, key,
                                           abs(distance - types.float32(8 * j + e)), bh)
                         d = ex2(x2 - lse2[r]) * (dp[x, 2 * half + e] - dsum[r]) * grad
                     dp[x, 2 * half + e] = d

@@ -329,7 +329,7 @@ def build_dkdv(D, tiles, storage, mods=NONE):
                         p, grad = ZERO, ZERO
                         if ((full or (key >= lo_b and key < hi_b)) and row < seqlen_q
                                 and (block_full or visible(b, h, row, key, bh))):
-                            x, grad = logit2(s[a, bb], b, h, row, key, abs(distance - ACC(a)), bh)
+                            x, grad = logit2(s[a, bb], ONE, b, h, row, key, abs(distance - ACC(a)), bh)
                             p = math.exp2(x - lse2[bb])
                         p_s[(c * TQ + bb) * LDP + r * TK + a] = p
                         ds_s[(c * TQ + bb) * LDP + r * TK + a] = p * (dp[a, bb] - dsum[bb]) * grad
@@ -430,7 +430,7 @@ def build_dq(D, tiles, storage, mods=NONE):
                         ds = ZERO
                         if ((full or (key >= lo_a and key < hi_a)) and row < seqlen_q
                                 and (block_full or visible(b, h, row, key, bh))):
-                            x, grad = logit2(s[a, bb], b, h, row, key, abs(distance - ACC(bb)), bh)
+                            x, grad = logit2(s[a, bb], ONE, b, h, row, key, abs(distance - ACC(bb)), bh)
                             ds = math.exp2(x - lse2[a]) * (dp[a, bb] - dsum[a]) * grad
                         ds_t[(c * TN + bb) * LDD + r * TM + a] = ds
                 cuda.syncthreads()  # everyone is done with K^T; dS^T is complete
