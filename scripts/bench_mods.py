@@ -12,6 +12,10 @@ tests' job; this guards the timings against a kernel that computes something els
     python scripts/bench_mods.py --out DIR         # head dims 64 and 128, N = 4096 and 16384
     python scripts/bench_mods.py --seqlens 2048 --headdims 64
     python scripts/bench_mods.py --timing stream   # calls back to back, as bench.py --timing stream
+    python scripts/bench_mods.py --flex            # also torch's FlexAttention, plain and with softcap
+
+With --flex the same run times torch's FlexAttention (compiled Triton kernels) without and with softcap as a
+score_mod: its softcap's cost over its own plain kernel is the yardstick for numbaflash's.
 
 Writes bench_mods.json under --out.
 """
@@ -87,7 +91,32 @@ def check_one_head(torch, q, k, v, options):
     return float(np.abs(got.float().cpu().numpy() - want).max())
 
 
-def run(headdim, seqlen, passes):
+def flex_rows(torch, q, k, v, dout, passes, row_of):
+    """FlexAttention's plain and softcap rows, timed as numbaflash's are (softcap over its own plain kernel)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    flex = torch.compile(flex_attention, dynamic=False)
+    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))  # (batch, nheads, seqlen, headdim)
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 30.0 * torch.tanh(score / 30.0)
+
+    rows = []
+    for name, score_mod in (("FlexAttention plain", None), ("FlexAttention softcap 30", softcap)):
+        row = row_of(name)
+        for backward in passes:
+            if backward:
+                leaves = tuple(x.detach().requires_grad_() for x in (qt, kt, vt))
+                out = flex(*leaves, score_mod=score_mod)
+                fn = lambda: torch.autograd.grad(out, leaves, dout.transpose(1, 2), retain_graph=True)
+            else:
+                fn = lambda: flex(qt, kt, vt, score_mod=score_mod)
+            row[f"{'backward' if backward else 'forward'}_ms"] = time_ms(fn)
+        rows.append(row)
+    return rows
+
+
+def run(headdim, seqlen, passes, with_flex=False):
     import torch
 
     import numbaflash
@@ -122,12 +151,17 @@ def run(headdim, seqlen, passes):
             with sdpa_only("flash"):
                 row[f"{key}_sdpa_flash_ms"] = time_ms(base)
         rows.append(row)
+    if with_flex:
+        rows += flex_rows(torch, q, k, v, dout, passes,
+                          lambda name: dict(headdim=headdim, seqlen=seqlen, batch=batch, variant=name))
+        compare.update({"FlexAttention plain": "FlexAttention plain", "FlexAttention softcap 30": "FlexAttention plain"})
     for row in rows:
         over = compare[row["variant"]] or ("causal (built-in)" if "causal" in row["variant"] else "plain")
         reference_row = next(r for r in rows if r["variant"] == over)
         for key in ("forward", "backward"):
             if f"{key}_ms" in row:
                 row[f"{key}_over_plain"] = row[f"{key}_ms"] / reference_row[f"{key}_ms"]
+            if f"{key}_sdpa_flash_ms" in row:
                 row[f"{key}_over_sdpa_flash"] = row[f"{key}_sdpa_flash_ms"] / row[f"{key}_ms"]
     return rows
 
@@ -139,6 +173,7 @@ def main():
     parser.add_argument("--passes", nargs="+", default=["forward", "backward"], choices=["forward", "backward"])
     parser.add_argument("--timing", choices=["call", "stream"], default="call",
                         help="each call alone (its host time included), or calls back to back (bench.py's --timing)")
+    parser.add_argument("--flex", action="store_true", help="also time torch's FlexAttention, plain and with softcap")
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
     import torch
@@ -151,13 +186,15 @@ def main():
     rows = []
     for headdim in args.headdims:
         for seqlen in args.seqlens:
-            for row in run(headdim, seqlen, [p == "backward" for p in args.passes]):
+            for row in run(headdim, seqlen, [p == "backward" for p in args.passes], args.flex):
                 rows.append(row)
                 cells = [f"d={headdim:<4} N={seqlen:<6} {row['variant']:<22}"]
                 for key in ("forward", "backward"):
-                    if f"{key}_ms" in row:
+                    if f"{key}_sdpa_flash_ms" in row:
                         cells.append(f"{key} {row[f'{key}_tflops']:6.1f} TFLOP/s x{row[f'{key}_over_plain']:.3f} of "
                                      f"plain, {row[f'{key}_over_sdpa_flash']:.2f}x SDPA flash")
+                    elif f"{key}_ms" in row:
+                        cells.append(f"{key} {row[f'{key}_ms']:.3f} ms x{row[f'{key}_over_plain']:.3f} of plain")
                 if "max_error_one_head" in row:
                     cells.append(f"err {row['max_error_one_head']:.1e}")
                 print(" | ".join(cells), flush=True)
