@@ -259,6 +259,8 @@ WGMMA_USER_FUNCTION_TILES = {64: WgmmaTiles(128, 128, 2, producer=True, tma=True
 # the FMA pipe (`ex2_fma`). H200, fp16, N = 16384, 16 heads, stream timing (.bench/fma_sweep.py), softcap's
 # forward over the plain kernel's: 1.41x with none, 1.36x with 3, 1.36x with 4, 1.40x with 6, 1.50x with 8;
 # the plain kernel itself ran 5-36% slower with 3-12 (it is not bound there), and so did headdim 128 softcap.
+# Again on the H100 (2026-11-26, .bench/cap_fwd.py): at 64 1.40x with none, 1.37x with 4, 1.45x with 6 (128 x
+# 128 blocks 1.38-1.39x); at 128 1.15x with none, 1.17-1.18x with 2, 4 or 6 of 16.
 WGMMA_SOFTCAP_TILES = {64: dataclasses.replace(WGMMA_TILES[64], exp2_fma=4)}
 WGMMA_CP_ASYNC_TILES = {64: WgmmaTiles(128, 112, 2), 128: WgmmaTiles(128, 64, 2)}
 # A block mask's call at headdim 64: blocks of one consumer warpgroup, two per multiprocessor
