@@ -73,3 +73,19 @@ def query_range(col_start, col_end, seqlen_q, seqlen_k, left, right):
     if left >= 0 and col_end + left - offset < seqlen_q:
         hi = col_end + left - offset
     return lo, hi
+
+
+def visible_pair(row, seqlen_q, seqlen_k, left, right):
+    """``(row_v, lo, hi)``: a query row that sees at least one key, and its keys ``[lo, hi)`` (non-empty).
+
+    ``row`` itself where it lies in the sequence and sees a key, else the last row, which sees key
+    ``seqlen_k - 1`` under every window (``left, right >= 0`` or unbounded); needs seqlen_q, seqlen_k >= 1.
+    Kernels that call the user's functions on every score of a tile without a branch pass them ``row_v`` and
+    a key clamped into ``[lo, hi)``, a visible pair, and keep the result only where the score is visible.
+    """
+    row_v = min(row, seqlen_q - 1)
+    lo, hi = key_range(row_v, seqlen_q, seqlen_k, left, right)
+    if lo >= hi:
+        row_v = seqlen_q - 1
+        lo, hi = key_range(row_v, seqlen_q, seqlen_k, left, right)
+    return row_v, lo, hi

@@ -34,3 +34,16 @@ def test_query_range_is_exactly_the_rows_that_see_a_key_block(nq, nk, causal, le
         lo, hi = masks.query_range(c0, c1, nq, nk, l, r)
         sees = mask[:, c0:c1].any(axis=1)
         assert list(np.flatnonzero(sees)) == list(range(max(lo, 0), min(hi, nq)))
+
+
+@settings(max_examples=200)
+@given(nq=sizes, nk=sizes, causal=st.booleans(), left=sides, right=sides)
+def test_visible_pair_gives_every_row_a_visible_pair_and_keeps_its_own_where_it_sees_a_key(nq, nk, causal, left, right):
+    mask = reference.visible_mask(nq, nk, causal, (left, right))
+    l, r = masks.normalize_window(causal, (left, right))
+    for row in range(nq + 3):  # rows past the sequence too, as a tile's last rows
+        row_v, lo, hi = masks.visible_pair(row, nq, nk, l, r)
+        assert 0 <= row_v < nq and lo < hi
+        assert row_v == row if row < nq and mask[row].any() else row_v == nq - 1
+        for key in range(-2, nk + 3):
+            assert mask[row_v, min(max(key, lo), hi - 1)], (row, key, row_v, lo, hi)

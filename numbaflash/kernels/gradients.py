@@ -150,6 +150,13 @@ def _transposed_probabilities(M, NT, mods, TESTED, FUSED, BITS):
     modifier = modifiers(mods, types.float32, fast=True)
     MODIFIED, logit2, visible = modifier.modified, modifier.logit2, modifier.visible
     GUARDED = guarded(mods)
+    # A score_mod without a mask_mod, on a tile the mask crosses: called on every score without a branch, at the
+    # indices of a visible pair (`masks.visible_pair`: the column's row, or the last, and the key of its range
+    # nearest the score's),
+    # its result kept where the score is visible. Called inside a branch per score, it left the loop rolled, S^T
+    # and dP^T in 256 bytes of local memory and the wgmma serialized (C7517; ptxas 13.0, headdim 64 and 128). A
+    # mask_mod keeps the branch: a pair it hides may index the user's tables out of their bounds.
+    CLAMPED = TESTED and not BITS and mods.score_mod is not None and mods.mask_mod is None
     verdict_word = key_tiles.verdict_word(mods)
 
     @device_function
@@ -170,6 +177,7 @@ def _transposed_probabilities(M, NT, mods, TESTED, FUSED, BITS):
                 lo_q, hi_q = 0, seqlen_k  # a full tile (or one the bits decide): no bounds to compute
                 if TESTED and not BITS and not full:
                     lo_q, hi_q = masks.key_range(row, seqlen_q, seqlen_k, left, right)
+                row_v, lo_v, hi_v = masks.visible_pair(row, seqlen_q, seqlen_k, left, right) if CLAMPED else (row, 0, 1)
                 for r in range(M_ROWS):
                     mi, half = r // 2, r % 2
                     key = warp_key + lane_row(r, g)
@@ -179,7 +187,13 @@ def _transposed_probabilities(M, NT, mods, TESTED, FUSED, BITS):
                     else:
                         seen = not TESTED or (key >= lo_q and key < hi_q and (not GUARDED or (row < seqlen_q and (
                             block_full or visible(b, h, row, key, bh)))))
-                    if seen:
+                    if CLAMPED:
+                        x, grad = logit2(s[mi * NT + j, 2 * half + e], scale_log2, b, h, row_v,
+                                         min(max(key, lo_v), hi_v - 1),
+                                         abs(distance + types.float32(8 * j + e - lane_row(r, 0))), bh)
+                        p = ex2(x - lse2) if seen else ZERO
+                        grad = grad if seen else ZERO
+                    elif seen:
                         x, grad = logit2(s[mi * NT + j, 2 * half + e], scale_log2, b, h, row, key,
                                          abs(distance + types.float32(8 * j + e - lane_row(r, 0))), bh)
                         p = ex2(x - lse2)
