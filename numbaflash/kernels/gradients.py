@@ -45,7 +45,8 @@ ZERO, LOG2E = types.float32(0), types.float32(math.log2(math.e))
 
 def guarded(mods):
     """Whether a score must pass the bounds and visibility checks before the modifications see it: the user's
-    functions read mod_args at in-bounds visible indices only; softcap and ALiBi are safe on any score, rows
+    functions read mod_args at in-bounds visible indices only (a score_mod alone is then given a visible pair's
+    indices instead: `_transposed_probabilities`' ``CLAMPED``); softcap and ALiBi are safe on any score, rows
     past the sequence included (their P is 0), and pay no branch per score."""
     return bool(mods.user_functions)
 

@@ -8,9 +8,10 @@ kernel built without any takes an empty tuple, and every function here compiles 
 
 With softcap, ALiBi or a score_mod the kernels work on natural-log scores: ``x = softmax_scale * q . k`` (the kernel's
 scale argument is then ``softmax_scale`` itself, not ``softmax_scale * log2(e)``), ``logit`` modifies it,
-and the softmax multiplies by log2(e) before ex2. A hidden score, or a row past the sequence, never
-reaches the user's function: ``mask_mod`` and ``score_mod`` see only indices inside ``[0, seqlen_q) x
-[0, seqlen_k)`` that the causal/window mask shows, so their ``mod_args`` are indexed in bounds.
+and the softmax multiplies by log2(e) before ex2. ``mask_mod`` and ``score_mod`` see only indices inside
+``[0, seqlen_q) x [0, seqlen_k)`` that the causal/window mask shows, so their ``mod_args`` are indexed in
+bounds: a hidden score, or a row past the sequence, reaches a score_mod only in the tensor-core dK/dV passes
+without a mask_mod, at a visible pair's indices, its result dropped (`gradients`, `masks.visible_pair`).
 
 `modifiers` gives, as a `Modifiers`:
 
