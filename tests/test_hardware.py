@@ -98,10 +98,12 @@ def test_unaligned_rows_cost_the_sectors_they_straddle():
 def test_the_staged_preprocess_writes_whole_tiles_of_statistics():
     # v5's preprocess (Hopper's planned backward: 128 x 64 tiles) reads O and dO as above and each row's LSE,
     # and stores the base-2 LSE and D of rows padded to whole tiles: 128 rows of each. A warp takes 4 rows and
-    # its lanes 0-3 load and store one each: an instruction of 16 bytes, a sector, per 4 rows.
+    # its lanes 0-3 load and store one each: an instruction of 16 bytes, a sector, per 4 rows. Its loads of O
+    # and dO are clamped into the sequence: each of the 120 rows past it repeats row 7's, bytes 560-639 (3
+    # sectors in the first 32-element step, 1 in the second).
     preprocess = traffic(1, 1, 1, 8, 8, 40, "float16", backward=True)[0]
     assert preprocess.kernel == "wgmma_tma_backward_preprocess"
-    assert preprocess.load_bytes == 2 * 28 * 32 + 2 * 32
+    assert preprocess.load_bytes == 2 * (28 + 120 * 4) * 32 + 2 * 32
     assert preprocess.store_bytes == 2 * (128 // 4) * 32
     # The dK/dV kernel's one key block copies K and V (boxes of 128 rows of 128 bytes, plus a sector for each
     # of the 8 rows inside, whose 80 bytes end within one), then its one query tile's Q and dO (64-row boxes)

@@ -294,8 +294,9 @@ def forward_blocks(walk, ledger):
 
 def preprocess_blocks(plan, ops, rows_per_block, ledger):
     """D = rowsum(dO * O): a warp reads each of its rows in 32-element steps (one row per warp: lane 0 writes D;
-    with staged statistics, `simt.backward.build_staged_preprocess`, `STAGED_ROWS_PER_WARP` rows, lane r reads
-    row r's LSE and writes both to ``stats``, for rows padded to whole tiles)."""
+    with staged statistics, `simt.backward.build_staged_preprocess`, `STAGED_ROWS_PER_WARP` rows at clamped
+    addresses, `patterns.clamped_rows`, and lane r reads row r's LSE and writes both to ``stats``, for rows
+    padded to whole tiles)."""
     out, delta = ops["out"], ops["delta"]
     staged = plan.staged_statistics
     slots = 32 * -(-plan.headdim // 32)
@@ -306,8 +307,11 @@ def preprocess_blocks(plan, ops, rows_per_block, ledger):
                 for name in ("out", "dout"):
                     op = ops[name]
                     key = ("preprocess", name, rows_per_block, *_rows_key(op, b, h, row0, rows_per_block))
-                    addresses = (patterns.staged_rows(op, b, h, row0, rows_per_block, plan.headdim, 1, slots)[0]
-                                 if key not in ledger._costs else None)
+                    if staged:  # rows past the sequence repeat the last row's loads: its address matters too
+                        key += (op.address(b, max(op.seqlen - 1, 0), h) % LINE,)
+                    addresses = None if key in ledger._costs else (
+                        patterns.clamped_rows(op, b, h, row0, rows_per_block, plan.headdim, slots) if staged else
+                        patterns.staged_rows(op, b, h, row0, rows_per_block, plan.headdim, 1, slots)[0])
                     ledger.charge("load", (name, b, h, row0), key, _load(op, addresses, op.itemsize))
                 rows = row0 + np.arange(rows_per_block)
                 if staged:

@@ -85,6 +85,18 @@ def staged_rows(op, b, h, row0, rows, headdim, slot_elems, slots):
     return by_instruction(addresses), by_instruction(i), by_instruction(c)
 
 
+def clamped_rows(op, b, h, row0, rows, headdim, slots):
+    """Lane addresses of the staged preprocess's loads (`kernels.simt.backward.build_staged_preprocess`): every
+    (row, element) of ``rows`` rows, in 32-element steps of ``slots`` per row, each lane's row clamped to the
+    sequence's last and its element to the head dim's last, so that rows past the sequence repeat the last
+    row's requests (a sequence of no rows loads nothing)."""
+    if op.seqlen == 0:
+        return by_instruction(np.full(rows * slots, -1))
+    e = np.arange(rows * slots)
+    i, c = e // slots, e % slots
+    return by_instruction(op.at(b, np.minimum(row0 + i, op.seqlen - 1), h, np.minimum(c, headdim - 1)))
+
+
 def padded_destinations(i, c, D):
     """Shared bytes of the mma.sync stager's copies: rows of D + 8 halves (`kernels.mma.tiles.row_stride`)."""
     return (i * (D + 8) + c * 8) * 2
