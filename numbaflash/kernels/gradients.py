@@ -153,10 +153,11 @@ def _transposed_probabilities(M, NT, mods, TESTED, FUSED, BITS):
     GUARDED = guarded(mods)
     # A score_mod without a mask_mod, on a tile the mask crosses: called on every score without a branch, at the
     # indices of a visible pair (`masks.visible_pair`: the column's row, or the last, and the key of its range
-    # nearest the score's),
-    # its result kept where the score is visible. Called inside a branch per score, it left the loop rolled, S^T
-    # and dP^T in 256 bytes of local memory and the wgmma serialized (C7517; ptxas 13.0, headdim 64 and 128). A
-    # mask_mod keeps the branch: a pair it hides may index the user's tables out of their bounds.
+    # nearest the score's), its result kept where the score is visible. Called inside a branch per score, it left
+    # the loop rolled, S^T and dP^T in 256 bytes of local memory and the wgmma serialized (C7517; ptxas 13.0, v5 at
+    # headdim 64 and 128, v3, the atomic dK/dV kernel), and a per-head temperature's backward ran 2.0x the plain
+    # one at headdim 128 (1.15x without the branch; H100, .bench/sm_bwd.py). A mask_mod keeps the branch: a pair
+    # it hides may index the user's tables out of their bounds.
     CLAMPED = TESTED and not BITS and mods.score_mod is not None and mods.mask_mod is None
     verdict_word = key_tiles.verdict_word(mods)
 
