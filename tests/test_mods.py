@@ -62,6 +62,10 @@ def modifications(name, seqlen_q, seqlen_k, batch=BATCH, nheads=NHEADS, seed=0):
         doc_q = np.sort(rng.integers(0, 5, (batch, seqlen_q)), axis=1).astype(np.int32)  # document 4 has no keys
         return dict(score_mod=relative_bias, score_mod_grad=relative_bias_grad, mask_mod=same_document,
                     mod_args=(bias, doc_q, doc_k))
+    if name == "bias table alone":  # a score_mod without a mask_mod (`kernels.gradients`' CLAMPED dK/dV step)
+        bias = rng.standard_normal((nheads, 2 * max(seqlen_q, seqlen_k))).astype(np.float32)
+        docs = np.zeros((batch, 1), np.int32)
+        return dict(score_mod=relative_bias, score_mod_grad=relative_bias_grad, mod_args=(bias, docs, docs))
     if name == "prefix LM, softcap, temperature":
         prefix = rng.integers(1, seqlen_k, batch).astype(np.int64)
         temperature = rng.uniform(0.5, 2.0, nheads).astype(np.float32)

@@ -102,9 +102,11 @@ def check_sequences(cases, results, cu, to_device, backward):
 
 
 # The simulator runs every backward family with a combination: the CUDA cores and mma.sync with their
-# forwards, v5 (whose tensor maps span the packed operands) with its forward; and v3's forward plain.
+# forwards, v5 (whose tensor maps span the packed operands) with its forward; and v3's forward plain. v5 also
+# runs a score_mod alone under causal, whose dK/dV step calls it at visible pairs without a branch, with a
+# sequence of no query rows and one of no keys.
 SIMULATED = [("simt", "softcap, ALiBi", True), ("mma", "bias table, documents", False), ("wgmma v3", None, True),
-             ("wgmma v5", "bias table, documents", True)]
+             ("wgmma v5", "bias table, documents", True), ("wgmma v5", "bias table alone", True)]
 BACKWARD_TILES = {"wgmma v5": tiling.SIMULATOR_WGMMA_BACKWARD_TILES}
 
 
