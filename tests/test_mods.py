@@ -142,29 +142,30 @@ def windowed_bias_grad(score, b, h, q_idx, kv_idx, bias, seen):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_score_mod_alone_sees_only_visible_indices(family, arrays, poisoned, mode):
-    """A score_mod without a mask_mod under a causal window: the tensor-core dK/dV passes call it on every score
-    of a tile the mask crosses without a branch, at the indices of a visible pair (`masks.visible_pair`), and
-    keep the result where the score is visible. It records the (q_idx, kv_idx) it is called with: only visible
-    ones may appear, forward and backward (the first 4 of 23 query rows see none of the 19 keys), and the
-    gradients hold flash-attn's rule."""
+@pytest.mark.parametrize("causal, window", [(True, (6, -1)), (False, (3, 2))])
+def test_a_score_mod_alone_sees_only_visible_indices(family, causal, window, arrays, poisoned, mode):
+    """A score_mod without a mask_mod under a causal or a two-sided window: the tensor-core dK/dV passes call it on
+    every score of a tile the mask crosses without a branch, at the indices of a visible pair
+    (`masks.visible_pair`), and keep the result where the score is visible. It records the (q_idx, kv_idx) it is
+    called with: only visible ones may appear, forward and backward (the first 4, or 2, of 23 query rows see none
+    of the 19 keys), and the gradients hold flash-attn's rule."""
     if mode == "simulator" and family not in ("mma", "wgmma v5"):
         pytest.skip("on the simulator mma.sync and v5 run it (their backwards share `kernels.gradients`); "
                     "pytest -m gpu runs all")
     to_device, to_host = arrays
     dtype, tiles = FAMILIES[family]
-    seqlen_q, seqlen_k, window = 23, 19, (6, -1)
+    seqlen_q, seqlen_k = 23, 19
     bias = np.random.default_rng(7).standard_normal((NHEADS, 2 * seqlen_q)).astype(np.float32)
-    case = Case(BATCH, seqlen_q, seqlen_k, NHEADS, NHEADS_KV, HEADDIM, dtype, causal=True, window_size=window,
+    case = Case(BATCH, seqlen_q, seqlen_k, NHEADS, NHEADS_KV, HEADDIM, dtype, causal=causal, window_size=window,
                 logit_scale=2.0, seed=7, modifications=dict(score_mod=windowed_bias, score_mod_grad=windowed_bias_grad,
                                                             mod_args=(bias, np.zeros((seqlen_q, seqlen_k), np.int32))))
     check_forward(case, forward_of(case, tiles), *arrays)
     q, k, v, dout = (to_device(x) for x in inputs(case, extra=[(BATCH, seqlen_q, NHEADS, HEADDIM)]))
     seen = to_device(np.zeros((seqlen_q, seqlen_k), np.int32))
-    options = dict(causal=True, window_size=window, score_mod=windowed_bias, score_mod_grad=windowed_bias_grad,
+    options = dict(causal=causal, window_size=window, score_mod=windowed_bias, score_mod_grad=windowed_bias_grad,
                    mod_args=(to_device(bias), seen))
     out, lse = forward_of(case, tiles)(q, k, v, softmax_scale=case.scale, return_lse=True, **options)
-    visible = reference.visible_mask(seqlen_q, seqlen_k, True, window)
+    visible = reference.visible_mask(seqlen_q, seqlen_k, causal, window)
     assert not (to_host(seen).astype(bool) & ~visible).any(), "the forward called score_mod on a hidden pair"
     seen[...] = 0
     backward = numbaflash.attention_backward
