@@ -115,7 +115,7 @@ class WgmmaTiles:
     row's ``block_n / 8`` 8-key chunks take the softmax's exponentials from a polynomial on the FMA pipe instead
     of the special-function unit's ex2 (`kernels.softmax.fma_chunk`); ``blocks_per_sm`` blocks share a
     multiprocessor (2: each gets half its registers and shared memory, so one block's start and end run under
-    the other's tiles; `wgmma.pipeline.registers`)."""
+    the other's tiles; `wgmma.pipeline.register_moves`)."""
 
     block_m: int
     block_n: int
@@ -603,13 +603,13 @@ def _plan(kernel, reason, shape, device, D, tiles, smem, registers, dq_strategy=
     bm = tiles.block_m
     query_blocks = (_cdiv(shape["seqlen_q"], bm), nheads, batch)
     if backward:
-        from .kernels.simt.backward import PREPROCESS_ROWS, STAGED_PREPROCESS_ROWS, STAGED_ROWS_PER_WARP
+        from .kernels.simt.backward import PREPROCESS_ROWS, STAGED_PREPROCESS_ROWS, STAGED_PREPROCESS_WARPS
 
         rows = preprocess_grid(shape["seqlen_q"], nheads, batch)
         key_blocks = (_cdiv(shape["seqlen_k"], bm), nheads_kv, batch)
         if _staged_statistics(tiles):
             padded = (_cdiv(_padded_rows(shape["seqlen_q"], tiles), STAGED_PREPROCESS_ROWS), nheads, batch)
-            launches = (Launch(kernel + "_preprocess", padded, 32 * STAGED_PREPROCESS_ROWS // STAGED_ROWS_PER_WARP, 0),)
+            launches = (Launch(kernel + "_preprocess", padded, 32 * STAGED_PREPROCESS_WARPS, 0),)
         else:
             launches = (Launch("simt_backward_preprocess", rows, 32 * PREPROCESS_ROWS, 0),)
         if dq_strategy == "atomic":

@@ -348,7 +348,7 @@ def test_a_compile_error_names_the_function_and_its_line():
 # -- block masks
 
 # Block masks' tiles at headdim 64: two blocks of one consumer per multiprocessor, their registers shared out as
-# such (`wgmma.pipeline.registers`); on a GPU the plans' own (`tiling.WGMMA_BLOCK_SPARSE_TILES` and
+# such (`wgmma.pipeline.register_moves`); on a GPU the plans' own (`tiling.WGMMA_BLOCK_SPARSE_TILES` and
 # `WGMMA_BLOCK_SPARSE_BACKWARD_TILES`), on the simulator its smallest.
 SHARED = "wgmma v5, two blocks per multiprocessor"
 

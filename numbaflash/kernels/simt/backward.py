@@ -47,7 +47,8 @@ PREPROCESS_ROWS = 8  # query rows per block of the preprocess kernel: one warp e
 # 12% of a backward over 8 documents of 2048 tokens; 2 rows per warp 0.054 / 0.073, 4 rows 0.040 / 0.057,
 # 8 rows 0.036 / 0.070 (each lane's loads past 16 per tensor at headdim 128 leave fewer warps resident).
 STAGED_ROWS_PER_WARP = 4
-STAGED_PREPROCESS_ROWS = 8 * STAGED_ROWS_PER_WARP
+STAGED_PREPROCESS_WARPS = 8
+STAGED_PREPROCESS_ROWS = STAGED_PREPROCESS_WARPS * STAGED_ROWS_PER_WARP
 LOG2E = math.log2(math.e)
 
 

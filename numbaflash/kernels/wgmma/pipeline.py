@@ -9,7 +9,7 @@ stage (`release`). Used by the forward (`ws_forward`) and the backward (`ws_back
 from numba import types
 
 from ..intrinsics import (device_function, fence_proxy_async, mbarrier_arrive, mbarrier_try_wait, named_barrier_sync,
-                          tma_load_4d)
+                          setmaxnreg_dec, setmaxnreg_inc, tma_load_4d)
 from .tiles import ATOM
 
 PRODUCER = 128  # threads of the producer warpgroup
@@ -37,10 +37,11 @@ check_registers(REGISTERS)
 check_registers(SHARED_REGISTERS, 2)
 
 
-def registers(tiles, tables=(REGISTERS, SHARED_REGISTERS)):
-    """``(producer's, consumers')`` registers per thread after setmaxnreg for `WgmmaTiles` ``tiles``, from
-    ``tables``: one block per multiprocessor's, two blocks'."""
-    return tables[tiles.blocks_per_sm - 1][tiles.warpgroups]
+def register_moves(tiles, tables=(REGISTERS, SHARED_REGISTERS)):
+    """``(release, take)``: the producer's setmaxnreg down and the consumers' up to their registers per thread for
+    `WgmmaTiles` ``tiles``, from ``tables``: one block per multiprocessor's, two blocks'."""
+    low, high = tables[tiles.blocks_per_sm - 1][tiles.warpgroups]
+    return setmaxnreg_dec(low), setmaxnreg_inc(high)
 
 
 @device_function

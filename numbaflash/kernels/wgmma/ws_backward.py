@@ -42,15 +42,15 @@ from ..blocks import key_block, query_block, tensor_core_backward
 from ..fragments import fill, fragment_writer
 from ..gradients import row_steps
 from ..intrinsics import (bulk_load, device_function, fence_proxy_async, mbarrier_arrive_expect_tx, mbarrier_init,
-                         named_barrier_arrive, named_barrier_sync, red_add2, setmaxnreg_dec, setmaxnreg_inc,
-                         shared_address, tensormap_acquire, wgmma_commit, wgmma_fence, wgmma_ss, wgmma_wait0)
+                         named_barrier_arrive, named_barrier_sync, red_add2, shared_address, tensormap_acquire,
+                         wgmma_commit, wgmma_fence, wgmma_ss, wgmma_wait0)
 from ..key_tiles import key_tiles, verdict_slot
 from ..mods import modifiers
 from ..query_tiles import query_tiles
 from . import tensor_maps
 from .backward import dkdv_step, dq_step
 from ..sequences import sequence_starts, sequences, stats_tile_rows
-from .pipeline import (BARRIER_ELEMENTS, PRODUCER, bulk_copier, check_registers, hand_over, registers, release,
+from .pipeline import (BARRIER_ELEMENTS, PRODUCER, bulk_copier, check_registers, hand_over, register_moves, release,
                        tail_zeroer, wait)
 from .tiles import ALIGN, ATOM, advance, aligned_base, operand
 
@@ -131,11 +131,6 @@ def pair_zeroer(D):
         hand_over(smem, full, lane)
 
     return zero_pair
-
-
-def _registers(tiles):
-    low, high = registers(tiles, (REGISTERS, SHARED_REGISTERS))
-    return setmaxnreg_dec(low), setmaxnreg_inc(high)
 
 
 def build_dkdv(D, tiles, storage, mods=NONE):
@@ -229,7 +224,7 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
     modifier = modifiers(mods, types.float32, fast=True)
     prepare, natural = modifier.prepare, modifier.natural
     write_grad = fragment_writer(D, storage)
-    release_registers, take_registers = _registers(tiles)
+    release_registers, take_registers = register_moves(tiles, (REGISTERS, SHARED_REGISTERS))
     ZERO, ONE = types.float32(0), types.float32(1)
 
     @device_function
@@ -416,7 +411,7 @@ def build_dq(D, tiles, storage, mods=NONE):
     modifier = modifiers(mods, types.float32, fast=True)
     prepare, natural = modifier.prepare, modifier.natural
     write_grad = fragment_writer(D, storage)
-    release_registers, take_registers = _registers(tiles)
+    release_registers, take_registers = register_moves(tiles, (REGISTERS, SHARED_REGISTERS))
     ZERO = types.float32(0)
 
     @device_function

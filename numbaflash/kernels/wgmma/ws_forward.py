@@ -42,8 +42,8 @@ from ...mods import NONE
 from ..blocks import TENSOR_CORE_FORWARD, query_block, write_hidden_rows
 from ..intrinsics import (cp_async_mbarrier_arrive, cp_async_wait_all, device_function, fence_proxy_async,
                          mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, named_barrier_arrive,
-                         named_barrier_sync, setmaxnreg_dec, setmaxnreg_inc, shared_address, tensormap_acquire,
-                         wgmma_commit, wgmma_fence, wgmma_wait0, wgmma_wait1)
+                         named_barrier_sync, shared_address, tensormap_acquire, wgmma_commit, wgmma_fence,
+                         wgmma_wait0, wgmma_wait1)
 from ..fragments import fragment_writer
 from ..key_tiles import key_tiles, verdict_slot
 from ..mods import kernel_type, modifiers
@@ -51,7 +51,7 @@ from ..sequences import sequence_starts, sequences
 from ..softmax import steps
 from . import tensor_maps
 from .forward import layout
-from .pipeline import BARRIER_ELEMENTS, PRODUCER, bulk_copier, hand_over, release, registers, tail_zeroer, wait
+from .pipeline import BARRIER_ELEMENTS, PRODUCER, bulk_copier, hand_over, register_moves, release, tail_zeroer, wait
 from .tiles import ALIGN, advance, aligned_base, descriptors, pack_p, products, stager
 
 # Ping-pong: consumer warpgroup w waits on named barrier TURN + w before it issues a tile's products and
@@ -102,8 +102,7 @@ def build(D, tiles, storage, mods=NONE):
     tile_slot = verdict_slot(mods, BLOCK_M)
     SPARSE = mods.block_sparse
     write_out = fragment_writer(D, storage)
-    low, high = registers(tiles)
-    release_registers, take_registers = setmaxnreg_dec(low), setmaxnreg_inc(high)
+    release_registers, take_registers = register_moves(tiles)
 
     @device_function
     def landed(smem, barrier, vec):
