@@ -74,6 +74,18 @@ def grid():
                         block_mask=modifications["block_mask"], causal=True)
         out, lse = numbaflash.attention(q, k, v, return_lse=True, **built_in)
         numbaflash.attention_backward(dout, q, k, v, out, lse, **built_in)
+        # A score_mod without a mask_mod under a window that hides every key from the first 35 of 70 rows: the
+        # tensor-core dK/dV passes call it on every score of a crossed tile at a visible pair's indices
+        # (`masks.visible_pair`), and it reads its mod_args there.
+        b, nq, nk, h, hk, d = shapes[1]
+        q, k, v, dout = (cupy.asarray(rng.standard_normal(s).astype(dtype)) for s in
+                         ((b, nq, h, d), (b, nk, hk, d), (b, nk, hk, d), (b, nq, h, d)))
+        alone = dict(score_mod=tempered, score_mod_grad=tempered_grad, mod_args=modifications["mod_args"],
+                     window_size=(3, 2))
+        out, lse = numbaflash.attention(q, k, v, return_lse=True, **alone)
+        numbaflash.attention_backward(dout, q, k, v, out, lse, **alone)
+        if dtype == "float16" and hopper:
+            numbaflash.attention_backward(dout, q, k, v, out, lse, deterministic=False, plan=atomic_plan(q, k), **alone)
         # Packed sequences (varlen), causal, head dims 40 and 64 (on Hopper v5 both ways, whose producers zero
         # the rows past a sequence in its last tiles): one with no queries, one with no keys, one shorter than
         # a tile; a block reads and writes its own sequence's rows only.
