@@ -142,14 +142,16 @@ def ex2_fma_kernel(x, y):
 
 def test_ex2_fma_is_2_to_the_x_within_its_bound_and_0_below_minus_127(arrays, mode):
     """The softmax's exponentials on the FMA pipe (`kernels.softmax.fma_chunk`): relative error at most 2^-13.4
-    (`intrinsics.polynomials`) on [-126, 0], the softmax's exponents; integers exact; -127 and below (a hidden
-    score's -inf) exactly 0; NaN stays NaN. On a GPU the hardware also matches the emulation, step by step."""
+    (`intrinsics.polynomials`) on [-126, 8], the softmax's exponents (up to 8 where a row keeps its maximum,
+    `kernels.softmax.RESCALE_LOG2`); integers exact; -127 and below (a hidden score's -inf) exactly 0; NaN stays
+    NaN. On a GPU the hardware also matches the emulation, step by step."""
     from numbaflash.kernels.intrinsics import emulated
 
     to_device, to_host = arrays
     rng = np.random.default_rng(2)
-    x = np.concatenate([-rng.exponential(4.0, 2000), -rng.uniform(0, 1e-6, 48), np.arange(-126, 1), [-1e-30, 0.0],
-                        [-126.5, -127, -127.5, -300, -np.inf, np.nan]]).astype(np.float32)
+    integers = np.arange(-126, 9)
+    x = np.concatenate([-rng.exponential(4.0, 2000), -rng.uniform(0, 1e-6, 48), integers, [-1e-30, 0.0],
+                        rng.uniform(0, 8, 200), [-126.5, -127, -127.5, -300, -np.inf, np.nan]]).astype(np.float32)
     y = to_device(np.zeros_like(x))
     ex2_fma_kernel[(x.size + 127) // 128, 128](to_device(x), y)
     y = to_host(y)
@@ -157,7 +159,6 @@ def test_ex2_fma_is_2_to_the_x_within_its_bound_and_0_below_minus_127(arrays, mo
     want = np.exp2(x[normal].astype(np.float64))
     error = np.abs(y[normal] / want - 1)
     assert error.max() <= 2.0 ** -13.4, f"max relative error {error.max():.3g}, mean {error.mean():.3g}"
-    integers = np.arange(-126, 1)
     np.testing.assert_array_equal(y[2048:2048 + integers.size], np.exp2(integers).astype(np.float32))
     assert (y[-6:-1] == 0).all() and np.isnan(y[-1])
     if mode == "gpu":  # the emulation the simulator runs is the hardware's arithmetic (ties aside: 1 ulp)

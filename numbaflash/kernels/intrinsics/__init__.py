@@ -29,7 +29,7 @@ Tensor cores (compute capability >= 8.0; register fragments as in the PTX ISA, l
 * ``ex2(x)``: ``ex2.approx.ftz.f32``, 2^x; ``rcp(x)``: ``rcp.approx.ftz.f32``, 1 / x (1 ulp);
   ``tanh_approx(x)``: ``tanh.approx.f32``, tanh x (one special-function instruction, relative error about
   2^-11; the emulation rounds the exact value); ``ex2_fma(x)``: 2^x from a cubic on the FMA pipe and the
-  exponent bits (`polynomials`), relative error at most 2^-13.4 on [-126, 0], 0 at -127 and below, NaN for
+  exponent bits (`polynomials`), relative error at most 2^-13.4 on [-126, 8], 0 at -127 and below, NaN for
   NaN: the softmax's exponentials without the special-function unit.
 * ``named_barrier_sync(barrier, threads)``, ``named_barrier_arrive(barrier, threads)``: ``bar.sync`` /
   ``bar.arrive`` on hardware barrier ``barrier`` (1 to 15; syncthreads has 0), which ``threads`` arrivals
