@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 
 import numbaflash
-from numbaflash import block_sparsity, reference, tiling
+from numbaflash import block_sparsity, masks, reference, tiling
+from numbaflash.kernels import key_tiles
+from numbaflash.mods import Mods
 from cases import Case, check_backward, check_forward, check_gradients, inputs
 from test_scale_and_nan import FAMILIES, forward_of
 
@@ -215,6 +217,34 @@ def test_a_built_in_modification_alone(family, name, arrays, poisoned, mode):
                                 tiles=tiling.SIMULATOR_WGMMA_BACKWARD_TILES)
         check_backward(case, numbaflash.attention, lambda *a, **kw: numbaflash.attention_backward(*a, plan=plan, **kw),
                        *arrays)
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k, block_m, block_n, causal, window", [
+    (40, 70, 64, 16, False, (-1, -1)), (16384, 16384, 192, 96, False, (-1, -1)), (1000, 300, 128, 128, True, (-1, -1)),
+    (300, 1000, 64, 16, False, (50, 20))])
+def test_alibi_blocks_visit_each_key_tile_once_from_their_diagonal(seqlen_q, seqlen_k, block_m, block_n, causal,
+                                                                    window):
+    """`key_tiles.tile_order` with ALiBi: a forward block visits each of its key tiles once, the first the tile of its
+    middle row's diagonal (clamped to its tiles), where the bias peaks; without ALiBi, with a block mask or packed
+    sequences, in ascending order."""
+    left, right = (window[0], 0) if causal else window
+    count, _, _ = key_tiles.key_tiles(Mods(), block_m, block_n)
+    orders = {name: key_tiles.tile_order(mods, block_m, block_n) for name, mods in
+              (("ALiBi", Mods(alibi=True)), ("plain", Mods()), ("packed", Mods(alibi=True, packed=True)))}
+    rotated = 0
+    for row_start in range(0, seqlen_q, block_m):
+        lo, hi = masks.block_key_range(row_start, min(row_start + block_m, seqlen_q), seqlen_q, seqlen_k, left, right)
+        n_base, ntiles = (lo // block_n) * block_n, count(None, 0, 0, row_start, lo, hi)
+        visits = [orders["ALiBi"](it, row_start, n_base, ntiles, seqlen_q, seqlen_k) for it in range(ntiles)]
+        assert sorted(visits) == list(range(ntiles)), (row_start, visits)
+        if ntiles:
+            peak = min(max(row_start + block_m // 2 + seqlen_k - seqlen_q, n_base), n_base + ntiles * block_n - 1)
+            assert n_base + visits[0] * block_n <= peak < n_base + (visits[0] + 1) * block_n, (row_start, visits)
+            rotated += visits[0] > 0
+        for name in ("plain", "packed"):
+            assert [orders[name](it, row_start, n_base, ntiles, seqlen_q, seqlen_k) for it in range(ntiles)] == list(
+                range(ntiles))
+    assert rotated
 
 
 def test_full_tiles_modify_every_score_without_masking(arrays, poisoned):
@@ -575,8 +605,6 @@ def test_only_the_users_per_score_functions_keep_headdim_64_at_two_consumers():
     """softcap and ALiBi plan three consumer warpgroups at headdim 64; a score_mod or a mask_mod without a block
     mask, called per score, plans two; a block mask (whose verdicts the kernels read as bits) plans one, two
     blocks per multiprocessor, forward and backward, and says why (at headdim 128 the usual tiles)."""
-    from numbaflash.mods import Mods
-
     three = [Mods(softcap=True), Mods(alibi=True)]
     two = [Mods(score_mod=relative_bias), Mods(mask_mod=same_document_causal),
            Mods(softcap=True, score_mod=relative_bias, mask_mod=same_document_causal, block_sparse=True)]

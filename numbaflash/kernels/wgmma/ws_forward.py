@@ -45,7 +45,7 @@ from ..intrinsics import (cp_async_mbarrier_arrive, cp_async_wait_all, device_fu
                          named_barrier_sync, shared_address, tensormap_acquire, wgmma_commit, wgmma_fence,
                          wgmma_wait0, wgmma_wait1)
 from ..fragments import fragment_writer
-from ..key_tiles import key_tiles, verdict_slot
+from ..key_tiles import key_tiles, tile_order, verdict_slot
 from ..mods import kernel_type, modifiers
 from ..sequences import sequence_starts, sequences
 from ..softmax import steps
@@ -100,6 +100,7 @@ def build(D, tiles, storage, mods=NONE):
     start, mask, online_softmax, rescale_o, finish, write_lse = steps(1, NT, DT, mods, tiles.exp2_fma)
     tile_count, tile_start, tile_full = key_tiles(mods, BLOCK_M, BLOCK_N)
     tile_slot = verdict_slot(mods, BLOCK_M)
+    order = tile_order(mods, BLOCK_M, BLOCK_N)
     SPARSE = mods.block_sparse
     write_out = fragment_writer(D, storage)
     release_registers, take_registers = register_moves(tiles)
@@ -126,12 +127,13 @@ def build(D, tiles, storage, mods=NONE):
         return PACKED and TMA and which == 2 and n_start + BLOCK_N > seqlen_k
 
     @device_function
-    def load_tile(smem, base, at, full, empty, it, src, maps, which, mod, b, h, hk, row_start, n_base, tid, vec,
+    def load_tile(smem, base, at, full, empty, it, tile, src, maps, which, mod, b, h, hk, row_start, n_base, tid, vec,
                   k_start, map_b, seqlen_k):
-        # Tile `it` of K (which 1) or V (which 2) into its ring stage, once the consumers have emptied it (the
-        # first round finds every stage empty): bulk tensor copies with TMA, else the producer's cp.async.
+        # The `it`-th copy of K (which 1) or V (which 2), key tile `tile` (`order`), into its ring stage, once the
+        # consumers have emptied it (the first round finds every stage empty): bulk tensor copies with TMA, else
+        # the producer's cp.async.
         s, parity = it % STAGES, ((it // STAGES) & 1) ^ 1
-        n_start = tile_start(mod, b, h, row_start, n_base, it)  # a block mask's table read while the stage drains
+        n_start = tile_start(mod, b, h, row_start, n_base, tile)  # a block mask's table read while the stage drains
         wait(smem, base + empty + s * BARRIER_ELEMENTS, parity)
         if TMA:
             landed_on = base + (V_TAIL if tail(n_start, seqlen_k, which) else full + s * BARRIER_ELEMENTS)
@@ -149,7 +151,8 @@ def build(D, tiles, storage, mods=NONE):
         hand_over(smem, base + V_FULL + s * BARRIER_ELEMENTS, lane)
 
     @device_function
-    def produce(smem, words, base, q, k, v, maps, mod, b, h, hk, row_start, n_base, ntiles, tid, vec, seqlen_k):
+    def produce(smem, words, base, q, k, v, maps, mod, b, h, hk, row_start, n_base, ntiles, tid, vec, seqlen_q,
+                seqlen_k):
         # K runs one tile ahead of V, the order the consumers read them in (S_it with P_{it-1} V_{it-1}):
         # V_it waits for P_{it-2} V_{it-2} to release its stage, and K_{it+1} issued after it would wait too.
         # In the order K, V, K, V the consumers' wait for K took 26% of the warps' stall samples (ncu, d128).
@@ -166,11 +169,13 @@ def build(D, tiles, storage, mods=NONE):
                 landed(smem, base + Q_FULL, vec)
             for it in range(-1, ntiles):
                 if it + 1 < ntiles:
-                    load_tile(smem, base, K_AT, K_FULL, K_EMPTY, it + 1, k, maps, 1, mod, b, h, hk, row_start, n_base,
-                              tid, vec, k_start, map_b, seqlen_k)
+                    load_tile(smem, base, K_AT, K_FULL, K_EMPTY, it + 1,
+                              order(it + 1, row_start, n_base, ntiles, seqlen_q, seqlen_k), k, maps, 1, mod, b, h, hk,
+                              row_start, n_base, tid, vec, k_start, map_b, seqlen_k)
                 if it >= 0:
-                    load_tile(smem, base, V_AT, V_FULL, V_EMPTY, it, v, maps, 2, mod, b, h, hk, row_start, n_base,
-                              tid, vec, k_start, map_b, seqlen_k)
+                    load_tile(smem, base, V_AT, V_FULL, V_EMPTY, it, order(it, row_start, n_base, ntiles, seqlen_q,
+                                                                           seqlen_k),
+                              v, maps, 2, mod, b, h, hk, row_start, n_base, tid, vec, k_start, map_b, seqlen_k)
         if not TMA:
             cp_async_wait_all()  # leave only once every copy has landed
         elif PACKED:
@@ -240,7 +245,8 @@ def build(D, tiles, storage, mods=NONE):
 
         if tid < PRODUCER:
             release_registers()
-            produce(smem, words, base, q, k, v, maps, mod, b, h, hk, row_start, n_base, ntiles, tid, vec, seqlen_k)
+            produce(smem, words, base, q, k, v, maps, mod, b, h, hk, row_start, n_base, ntiles, tid, vec, seqlen_q,
+                    seqlen_k)
         else:
             take_registers()
             ctid = tid - PRODUCER
@@ -264,8 +270,9 @@ def build(D, tiles, storage, mods=NONE):
             # The first tile: its scores alone (no P V yet), then its softmax. A block mask's table is read before
             # the waits, whose asm orders memory: read after them, each load's latency stood between a tile's S
             # and its softmax.
-            n_start, full, slot = (tile_start(mod, b, h, row_start, n_base, 0), tile_full(mod, b, h, row_start, 0),
-                                   tile_slot(mod, b, h, row_start, 0))
+            tile = order(0, row_start, n_base, ntiles, seqlen_q, seqlen_k)
+            n_start, full, slot = (tile_start(mod, b, h, row_start, n_base, tile), tile_full(mod, b, h, row_start, tile),
+                                   tile_slot(mod, b, h, row_start, tile))
             wait(smem, base + Q_FULL, 0)
             take(smem, base, K_FULL, 0)
             my_turn(wg)
@@ -282,8 +289,9 @@ def build(D, tiles, storage, mods=NONE):
 
             # Steady state, with no branch around a wgmma (see v3).
             for it in range(1, ntiles):
-                n_start, full, slot = (tile_start(mod, b, h, row_start, n_base, it), tile_full(mod, b, h, row_start, it),
-                                       tile_slot(mod, b, h, row_start, it))
+                tile = order(it, row_start, n_base, ntiles, seqlen_q, seqlen_k)
+                n_start, full, slot = (tile_start(mod, b, h, row_start, n_base, tile),
+                                       tile_full(mod, b, h, row_start, tile), tile_slot(mod, b, h, row_start, tile))
                 take(smem, base, K_FULL, it)
                 take(smem, base, V_FULL, it - 1)
                 my_turn(wg)
