@@ -169,13 +169,13 @@ def build(D, tiles, storage, mods=NONE):
                 landed(smem, base + Q_FULL, vec)
             for it in range(-1, ntiles):
                 if it + 1 < ntiles:
-                    load_tile(smem, base, K_AT, K_FULL, K_EMPTY, it + 1,
-                              order(it + 1, row_start, n_base, ntiles, seqlen_q, seqlen_k), k, maps, 1, mod, b, h, hk,
-                              row_start, n_base, tid, vec, k_start, map_b, seqlen_k)
+                    tile = order(it + 1, row_start, n_base, ntiles, seqlen_q, seqlen_k)
+                    load_tile(smem, base, K_AT, K_FULL, K_EMPTY, it + 1, tile, k, maps, 1, mod, b, h, hk, row_start,
+                              n_base, tid, vec, k_start, map_b, seqlen_k)
                 if it >= 0:
-                    load_tile(smem, base, V_AT, V_FULL, V_EMPTY, it, order(it, row_start, n_base, ntiles, seqlen_q,
-                                                                           seqlen_k),
-                              v, maps, 2, mod, b, h, hk, row_start, n_base, tid, vec, k_start, map_b, seqlen_k)
+                    tile = order(it, row_start, n_base, ntiles, seqlen_q, seqlen_k)
+                    load_tile(smem, base, V_AT, V_FULL, V_EMPTY, it, tile, v, maps, 2, mod, b, h, hk, row_start,
+                              n_base, tid, vec, k_start, map_b, seqlen_k)
         if not TMA:
             cp_async_wait_all()  # leave only once every copy has landed
         elif PACKED:
