@@ -32,7 +32,8 @@ whole arrays), after ``start(acc, m_i, l_i)``, which sets a block's output to 0,
   branch: a positive scale pays one comparison per tile.
 * ``rescale_o(acc, alpha)``: the output accumulators times ``alpha``, row by row, behind a branch that a warp
   whose rows all kept their maxima skips (most tiles after the first few): the plain v5 forward ran 2-6% faster
-  at headdim 64 and 0-2% at 128, softcap's 3% faster at 128 (H100, N = 4096 and 16384, .bench/rescale_ab.py).
+  at headdim 64 and within 2% either way at 128, softcap's 3% faster at 128 (H100, N = 4096 and 16384,
+  .bench/rescale_ab.py).
 * ``finish(l_i, inv)``: each row's whole sum (over the quad) into ``l_i`` and its inverse (0 for a row
   that saw no key, whose sum is exactly 0) into ``inv``, for the one normalization at the end. A NaN
   score makes the sum NaN, and out and LSE NaN with it, as in the reference.
