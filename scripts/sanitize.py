@@ -35,15 +35,11 @@ def grid():
     shapes = [(2, 33, 70, 4, 2, 40), (1, 70, 33, 2, 1, 64), (1, 45, 45, 2, 2, 24)]
     masks = [dict(), dict(causal=True), dict(window_size=(5, 3))]
     for dtype in ("float16", "float32"):
+        atomic = dtype == "float16" and hopper  # deterministic=False's atomic dQ runs on Hopper's 16-bit kernels
         for b, nq, nk, h, hk, d in shapes:
             for mask in masks:
-                q, k, v, dout = (cupy.asarray(rng.standard_normal(s).astype(dtype)) for s in
-                                 ((b, nq, h, d), (b, nk, hk, d), (b, nk, hk, d), (b, nq, h, d)))
-                out, lse = numbaflash.attention(q, k, v, return_lse=True, **mask)
-                numbaflash.attention_backward(dout, q, k, v, out, lse, **mask)
-                if dtype == "float16" and hopper:  # at head dims 40 and 64: the atomic dQ (red.global.add)
-                    numbaflash.attention_backward(dout, q, k, v, out, lse, deterministic=False, plan=atomic_plan(q, k),
-                                                  **mask)
+                q, k, v, dout = operands(rng, dtype, (b, nq, h, d), (b, nk, hk, d))
+                both_ways(q, k, v, dout, atomic, **mask)
                 if dtype == "float16" and d == 64 and hopper:
                     # The two ping-pong consumers that the user's per-score functions run at headdim 64, softcap
                     # alone's tiles, and headdim 256's v5.
@@ -56,50 +52,56 @@ def grid():
         # Every modification at once, the mask through a block mask (the kernels' tile tables) on one shape:
         # the user's functions read mod_args only at visible, in-bounds indices.
         b, nq, nk, h, hk, d = shapes[0]
-        q, k, v, dout = (cupy.asarray(rng.standard_normal(s).astype(dtype)) for s in
-                         ((b, nq, h, d), (b, nk, hk, d), (b, nk, hk, d), (b, nq, h, d)))
+        q, k, v, dout = operands(rng, dtype, (b, nq, h, d), (b, nk, hk, d))
         doc_q, doc_k = (cupy.asarray(np.sort(rng.integers(0, 3, (b, n))).astype(np.int32)) for n in (nq, nk))
         temperature = cupy.asarray(rng.uniform(0.5, 2, h).astype(np.float32))
         modifications = dict(softcap=5.0, alibi_slopes=cupy.full((h,), 0.25, np.float32), score_mod=tempered,
                              score_mod_grad=tempered_grad, mod_args=(doc_q, doc_k, temperature),
                              block_mask=numbaflash.block_mask(same_document, b, None, nq, nk,
                                                               mod_args=(doc_q, doc_k, temperature)))
-        out, lse = numbaflash.attention(q, k, v, return_lse=True, **modifications)
-        numbaflash.attention_backward(dout, q, k, v, out, lse, **modifications)  # both passes' tile tables
-        if dtype == "float16" and hopper:  # the atomic dQ's key pass, with its table
-            numbaflash.attention_backward(dout, q, k, v, out, lse, deterministic=False, plan=atomic_plan(q, k),
-                                          **modifications)
+        # both passes' tile tables, and on Hopper the atomic dQ's key pass with its table
+        both_ways(q, k, v, dout, atomic, **modifications)
         # The built-in modifications and a block mask without the user's per-score functions: at headdim 64, one
         # consumer and two blocks per multiprocessor both ways (`tiling.WGMMA_BLOCK_SPARSE_TILES`; the forward
         # above runs two consumers), the dK/dV pass reading the block mask's transposed bits.
         built_in = dict(softcap=5.0, alibi_slopes=modifications["alibi_slopes"], mod_args=modifications["mod_args"],
                         block_mask=modifications["block_mask"], causal=True)
-        out, lse = numbaflash.attention(q, k, v, return_lse=True, **built_in)
-        numbaflash.attention_backward(dout, q, k, v, out, lse, **built_in)
+        both_ways(q, k, v, dout, False, **built_in)
         # A score_mod without a mask_mod under a window that hides every key from the first 35 of 70 rows: the
         # tensor-core dK/dV passes call it on every score of a crossed tile at a visible pair's indices
         # (`masks.visible_pair`), and it reads its mod_args there.
         b, nq, nk, h, hk, d = shapes[1]
-        q, k, v, dout = (cupy.asarray(rng.standard_normal(s).astype(dtype)) for s in
-                         ((b, nq, h, d), (b, nk, hk, d), (b, nk, hk, d), (b, nq, h, d)))
-        alone = dict(score_mod=tempered, score_mod_grad=tempered_grad, mod_args=modifications["mod_args"],
-                     window_size=(3, 2))
-        out, lse = numbaflash.attention(q, k, v, return_lse=True, **alone)
-        numbaflash.attention_backward(dout, q, k, v, out, lse, **alone)
-        if dtype == "float16" and hopper:
-            numbaflash.attention_backward(dout, q, k, v, out, lse, deterministic=False, plan=atomic_plan(q, k), **alone)
+        q, k, v, dout = operands(rng, dtype, (b, nq, h, d), (b, nk, hk, d))
+        both_ways(q, k, v, dout, atomic, score_mod=tempered, score_mod_grad=tempered_grad,
+                  mod_args=modifications["mod_args"], window_size=(3, 2))
         # Packed sequences (varlen), causal, head dims 40 and 64 (on Hopper v5 both ways, whose producers zero
         # the rows past a sequence in its last tiles): one with no queries, one with no keys, one shorter than
         # a tile; a block reads and writes its own sequence's rows only.
         seqlens_q, seqlens_k = [70, 0, 5, 33, 9], [40, 7, 0, 70, 3]
         cu_q, cu_k = (cupy.asarray(np.concatenate([[0], np.cumsum(n)]).astype(np.int32)) for n in (seqlens_q, seqlens_k))
         for d in (40, 64):
-            q, k, v, dout = (cupy.asarray(rng.standard_normal(s).astype(dtype)) for s in
-                             ((sum(seqlens_q), 4, d), (sum(seqlens_k), 2, d), (sum(seqlens_k), 2, d), (sum(seqlens_q), 4, d)))
+            q, k, v, dout = operands(rng, dtype, (sum(seqlens_q), 4, d), (sum(seqlens_k), 2, d))
             lengths = (cu_q, cu_k, max(seqlens_q), max(seqlens_k))
             out, lse = numbaflash.attention_varlen(q, k, v, *lengths, causal=True, return_lse=True)
             numbaflash.attention_varlen_backward(dout, q, k, v, out, lse, *lengths, causal=True)
     cupy.cuda.Device().synchronize()
+
+
+def operands(rng, dtype, q_shape, kv_shape):
+    """q, k, v and dout of standard normal values on the GPU: q and dout of ``q_shape``, k and v of ``kv_shape``."""
+    import cupy
+
+    return (cupy.asarray(rng.standard_normal(s).astype(dtype)) for s in (q_shape, kv_shape, kv_shape, q_shape))
+
+
+def both_ways(q, k, v, dout, atomic, **options):
+    """The forward, the deterministic backward from its LSE and, with ``atomic``, deterministic=False's atomic dQ."""
+    import numbaflash
+
+    out, lse = numbaflash.attention(q, k, v, return_lse=True, **options)
+    numbaflash.attention_backward(dout, q, k, v, out, lse, **options)
+    if atomic:
+        numbaflash.attention_backward(dout, q, k, v, out, lse, deterministic=False, plan=atomic_plan(q, k), **options)
 
 
 def atomic_plan(q, k):
