@@ -10,15 +10,16 @@ The steps, in the order a key tile goes through them (`sim.online_softmax` is th
 whole arrays), after ``start(acc, m_i, l_i)``, which sets a block's output to 0, its running maxima to
 -inf and its sums to 0:
 
-* ``mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale, bh,
+* ``mask(s, shift, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale, bh,
   block_full, mod, slot)``: hidden scores become -inf (only a tile the causal/window edge or the sequence's
   end crosses pays for it, and, with a mask_mod, a tile the block mask did not find full: ``block_full``;
   with a block mask, a row reads its verdicts on such a tile from the mask's bits a word at a time, ``slot``
   from `key_tiles.verdict_slot`, instead of calling mask_mod per score).
   With softcap, ALiBi or a score_mod (`kernels.mods`) visible scores become their modified natural-log
   scores ``logit(scale * s)`` (without a branch per score on a tile the mask leaves whole), and the steps
-  after it take log2(e) as their scale.
-* ``online_softmax(s, m_i, l_i, alpha, scale_log2)``: new running maxima ``m_i``, the factor ``alpha``
+  after it take log2(e) as their scale. ALiBi alone, on a tile wholly on one side of a warp's diagonal, leaves
+  a row term of each score apart, in ``shift`` (``(2 M, 2)``: by fragment row and column parity; 0 elsewhere).
+* ``online_softmax(s, shift, m_i, l_i, alpha, scale_log2)``: new running maxima ``m_i``, the factor ``alpha``
   by which earlier sums and outputs shrink, ``s`` exponentiated in place (``P``), and the running sums
   ``l_i`` (a lane's partial sum; the quad adds them at the end). A row's maximum moves only where the tile's
   exceeds it by more than ``RESCALE_LOG2`` (base 2; `sim.online_softmax.update`'s ``threshold``), else its
@@ -108,7 +109,7 @@ def steps(M, NT, DT, mods=NONE, fma_chunks=0):
             l_i[r] = ZERO
 
     @device_function
-    def modify(s, b, h, warp_row, g, t, n_start, seqlen_q, seqlen_k, scale, bh):
+    def modify(s, shift, b, h, warp_row, g, t, n_start, seqlen_q, seqlen_k, scale, bh):
         # Every score modified, without a branch per score: each index in bounds, or no user function reads it.
         if CAPPED:
             capped = scale * cap_of(bh)[1]
@@ -118,18 +119,20 @@ def steps(M, NT, DT, mods=NONE, fma_chunks=0):
             return
         if ALIBI_ALONE:
             # distance D = key - (row + seqlen_k - seqlen_q); on a side s != 0 the bias -slope |D| is
-            # slope s (R - c) with R the row's distance from the lane's first key and c the column's from it
+            # slope s (R - c) with R the row's distance from the lane's first key and c = 8 j + e the column's
+            # from it: the scores keep -slope s 8 j, and `shift` the rest, slope s (R - e) by row and parity,
+            # which the softmax adds to their maxima and exponents (one FFMA a score where the bias took two)
             side = alibi_side(warp_row, warp_row + 16 * M, n_start, n_start + 8 * NT, seqlen_q - seqlen_k)
             if side != 0:
                 slope = slope_of(bh) * types.float32(side)
                 for r in range(M_ROWS):
-                    mi, half = r // 2, r % 2
-                    row_bias = slope * types.float32(warp_row + lane_row(r, g) + seqlen_k - seqlen_q - n_start - 2 * t)
-                    for j in range(NT):
-                        for e in range(2):
-                            x = mi * NT + j
-                            s[x, 2 * half + e] = (s[x, 2 * half + e] * scale
-                                                  + (row_bias - slope * types.float32(8 * j + e)))
+                    distance = types.float32(warp_row + lane_row(r, g) + seqlen_k - seqlen_q - n_start - 2 * t)
+                    for e in range(2):
+                        shift[r, e] = slope * (distance - types.float32(e))
+                for j in range(M * NT):
+                    column = slope * types.float32(8 * (j % NT))
+                    for e in range(4):
+                        s[j, e] = s[j, e] * scale - column
                 return
         for r in range(M_ROWS):
             mi, half = r // 2, r % 2
@@ -142,20 +145,22 @@ def steps(M, NT, DT, mods=NONE, fma_chunks=0):
                                                          abs(distance - types.float32(8 * j + e)), bh)
 
     @device_function
-    def mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale, bh,
+    def mask(s, shift, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale, bh,
              block_full, mod, slot):
+        if ALIBI_ALONE:
+            fill(shift, M_ROWS, 2, ZERO)  # the scores are whole unless `modify` keeps a row term apart
         masked = MASKED and not block_full  # a block mask found mask_mod true on the whole tile: no need to ask
         if not masked and masks.tile_is_full(row_start, row_end, n_start, n_start + 8 * NT, seqlen_q, seqlen_k, left,
                                              right):
             if not USER_SCORES or warp_row + 16 * M <= seqlen_q:  # no user function sees a row past the sequence
                 if MODIFIED:
-                    modify(s, b, h, warp_row, g, t, n_start, seqlen_q, seqlen_k, scale, bh)
+                    modify(s, shift, b, h, warp_row, g, t, n_start, seqlen_q, seqlen_k, scale, bh)
                 return
         # The built-in modifications read no memory: every score is modified, then the hidden ones are set to
         # -inf. Modified inside the tests below (a test per score), their code kept 140-308 bytes of local
         # memory in three consumers at headdim 64 (ptxas 13.0); the user's score_mod sees only visible scores.
         if MODIFIED and not USER_SCORES:
-            modify(s, b, h, warp_row, g, t, n_start, seqlen_q, seqlen_k, scale, bh)
+            modify(s, shift, b, h, warp_row, g, t, n_start, seqlen_q, seqlen_k, scale, bh)
         if BITS and masked:
             # The block mask's bits already hold the causal/window mask and the sequences' ends (a key range per
             # row beside them kept 48 bytes of local memory in three consumers at headdim 64).
@@ -200,7 +205,7 @@ def steps(M, NT, DT, mods=NONE, fma_chunks=0):
                     s[mi * NT + j, 2 * half + e] = x
 
     @device_function
-    def online_softmax(s, m_i, l_i, alpha, scale_log2, bh):
+    def online_softmax(s, shift, m_i, l_i, alpha, scale_log2, bh):
         scale_log2 = logit_scale(scale_log2, bh)
         if scale_log2 <= ZERO:  # uniform over the block: no cost to a positive scale but this test
             sign = -ONE if scale_log2 < ZERO else ZERO
@@ -211,9 +216,15 @@ def steps(M, NT, DT, mods=NONE, fma_chunks=0):
             scale_log2 = effective_scale(scale_log2)
         for r in range(M_ROWS):
             mi, half = r // 2, r % 2
-            row_max = s[mi * NT, 2 * half]
-            for j in range(mi * NT, mi * NT + NT):
-                row_max = max(row_max, max(s[j, 2 * half], s[j, 2 * half + 1]))
+            if ALIBI_ALONE:  # a row's scores of each column parity, plus that parity's `shift`
+                even, odd = s[mi * NT, 2 * half], s[mi * NT, 2 * half + 1]
+                for j in range(mi * NT, mi * NT + NT):
+                    even, odd = max(even, s[j, 2 * half]), max(odd, s[j, 2 * half + 1])
+                row_max = max(even + shift[r, 0], odd + shift[r, 1])
+            else:
+                row_max = s[mi * NT, 2 * half]
+                for j in range(mi * NT, mi * NT + NT):
+                    row_max = max(row_max, max(s[j, 2 * half], s[j, 2 * half + 1]))
             m_tile = max(m_i[r], group_max(row_max, 4))
             # The maximum moves only past RESCALE_LOG2: +inf at a row's first visible key, NaN (no move) while it has
             # seen only hidden ones, whose m = -inf is exponentiated against 0.
@@ -223,10 +234,13 @@ def steps(M, NT, DT, mods=NONE, fma_chunks=0):
             else:
                 alpha[r] = ONE
             base = m_i[r] * scale_log2 if m_i[r] != NEG_INF else ZERO
+            even_base, odd_base = base, base
+            if ALIBI_ALONE:
+                even_base, odd_base = base - shift[r, 0] * scale_log2, base - shift[r, 1] * scale_log2
             row_sum = ZERO
             for j in range(mi * NT, mi * NT + NT):
                 for e in range(2):
-                    x = s[j, 2 * half + e] * scale_log2 - base
+                    x = s[j, 2 * half + e] * scale_log2 - (odd_base if e == 1 else even_base)
                     p = ex2_fma(x) if fma_chunk(j - mi * NT, NT, fma_chunks) else ex2(x)
                     s[j, 2 * half + e] = p
                     row_sum += p

@@ -94,6 +94,7 @@ def build(D, tiles, storage, mods=NONE):
         m_i = cuda.local.array(M_ROWS, types.float32)
         l_i = cuda.local.array(M_ROWS, types.float32)
         alpha = cuda.local.array(M_ROWS, types.float32)
+        shift = cuda.local.array((M_ROWS, 2), types.float32)  # ALiBi's row terms (`softmax`)
         start(acc, m_i, l_i)
         a_off, b_off, t_off = lane_offsets(lane, LD)
         warp_row = row_start + warp * ROWS
@@ -116,9 +117,9 @@ def build(D, tiles, storage, mods=NONE):
 
             scores(s, frag, smem, q_at, k_base + b_off)
 
-            mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale_log2, bh,
-                 tile_full(mod, b, h, row_start, it), mod, tile_slot(mod, b, h, row_start, it))
-            online_softmax(s, m_i, l_i, alpha, scale_log2, bh)
+            mask(s, shift, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right,
+                 scale_log2, bh, tile_full(mod, b, h, row_start, it), mod, tile_slot(mod, b, h, row_start, it))
+            online_softmax(s, shift, m_i, l_i, alpha, scale_log2, bh)
             rescale_o(acc, alpha)
             accumulate(acc, s, frag, smem, v_base + t_off)  # O += P V, P rounded to 16 bits
             cuda.syncthreads()  # this stage is free for the copy issued at the top of the next iteration

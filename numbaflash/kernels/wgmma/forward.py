@@ -79,9 +79,10 @@ def build(D, tiles, storage, mods=NONE):
     def softmax_tile(s, acc, p, m_i, l_i, alpha, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k,
                      left, right, scale_log2, bh, block_full, mod, slot):
         # mask -> online softmax (while the previous P V may still run) -> rescale O -> P for the next P V
-        mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale_log2, bh,
-             block_full, mod, slot)
-        online_softmax(s, m_i, l_i, alpha, scale_log2, bh)
+        shift = cuda.local.array((2, 2), types.float32)  # ALiBi's row terms (`softmax`)
+        mask(s, shift, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale_log2,
+             bh, block_full, mod, slot)
+        online_softmax(s, shift, m_i, l_i, alpha, scale_log2, bh)
         wgmma_wait0()  # O and P are no longer read by the tensor cores
         rescale_o(acc, alpha)
         pack(p, s)

@@ -206,9 +206,10 @@ def build(D, tiles, storage, mods=NONE):
     @device_function
     def softmax_scores(s, m_i, l_i, alpha, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k,
                        left, right, scale_log2, bh, block_full, mod, slot):
-        mask(s, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale_log2, bh,
-             block_full, mod, slot)
-        online_softmax(s, m_i, l_i, alpha, scale_log2, bh)
+        shift = cuda.local.array((2, 2), types.float32)  # ALiBi's row terms (`softmax`)
+        mask(s, shift, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale_log2,
+             bh, block_full, mod, slot)
+        online_softmax(s, shift, m_i, l_i, alpha, scale_log2, bh)
 
     def attention_forward_wgmma_ws(q, k, v, out, lse, scale_log2, left, right, vec, maps, mod):
         # q, out: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v: (batch, seqlen_k, nheads_kv, headdim)
