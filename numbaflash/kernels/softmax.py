@@ -17,8 +17,9 @@ whole arrays), after ``start(acc, m_i, l_i)``, which sets a block's output to 0,
   from `key_tiles.verdict_slot`, instead of calling mask_mod per score).
   With softcap, ALiBi or a score_mod (`kernels.mods`) visible scores become their modified natural-log
   scores ``logit(scale * s)`` (without a branch per score on a tile the mask leaves whole), and the steps
-  after it take log2(e) as their scale. ALiBi alone, on a tile wholly on one side of a warp's diagonal, leaves
-  a row term of each score apart, in ``shift`` (``(2 M, 2)``: by fragment row and column parity; 0 elsewhere).
+  after it take log2(e) as their scale. With ALiBi alone every tile is modified (whole or not) and sets
+  ``shift`` (``(2 M, 2)``, by fragment row and column parity): on a tile wholly on one side of a warp's
+  diagonal each score's row term, kept apart from it; 0 on a tile the diagonal crosses.
 * ``online_softmax(s, shift, m_i, l_i, alpha, scale_log2)``: new running maxima ``m_i``, the factor ``alpha``
   by which earlier sums and outputs shrink, ``s`` exponentiated in place (``P``), and the running sums
   ``l_i`` (a lane's partial sum; the quad adds them at the end). A row's maximum moves only where the tile's
@@ -134,6 +135,7 @@ def steps(M, NT, DT, mods=NONE, fma_chunks=0):
                     for e in range(4):
                         s[j, e] = s[j, e] * scale - column
                 return
+            fill(shift, M_ROWS, 2, ZERO)  # a tile the diagonal crosses: its scores below are whole
         for r in range(M_ROWS):
             mi, half = r // 2, r % 2
             row = warp_row + lane_row(r, g)
@@ -147,8 +149,6 @@ def steps(M, NT, DT, mods=NONE, fma_chunks=0):
     @device_function
     def mask(s, shift, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale, bh,
              block_full, mod, slot):
-        if ALIBI_ALONE:
-            fill(shift, M_ROWS, 2, ZERO)  # the scores are whole unless `modify` keeps a row term apart
         masked = MASKED and not block_full  # a block mask found mask_mod true on the whole tile: no need to ask
         if not masked and masks.tile_is_full(row_start, row_end, n_start, n_start + 8 * NT, seqlen_q, seqlen_k, left,
                                              right):
