@@ -255,13 +255,15 @@ WGMMA_TILES = {64: WgmmaTiles(192, 96, 3, producer=True, tma=True, pingpong=True
                256: WgmmaTiles(128, 48, 2, producer=True, tma=True, pingpong=True)}
 WGMMA_USER_FUNCTION_TILES = {64: WgmmaTiles(128, 128, 2, producer=True, tma=True, pingpong=True)}
 # softcap alone (`numbaflash.mods.Mods.softcap_alone`) at headdim 64 pays tanh and ex2 per score on the
-# special-function unit, which then bounds the forward: 4 of each row's 12 8-key chunks take their ex2 from
+# special-function unit, which then bounds the forward: 2 of each row's 12 8-key chunks take their ex2 from
 # the FMA pipe (`ex2_fma`). H200, fp16, N = 16384, 16 heads, stream timing (.bench/fma_sweep.py), softcap's
 # forward over the plain kernel's: 1.41x with none, 1.36x with 3, 1.36x with 4, 1.40x with 6, 1.50x with 8;
 # the plain kernel itself ran 5-36% slower with 3-12 (it is not bound there), and so did headdim 128 softcap.
 # Again on the H100 (2026-11-26, .bench/cap_fwd.py): at 64 1.40x with none, 1.37x with 4, 1.45x with 6 (128 x
-# 128 blocks 1.38-1.39x); at 128 1.15x with none, 1.17-1.18x with 2, 4 or 6 of 16.
-WGMMA_SOFTCAP_TILES = {64: dataclasses.replace(WGMMA_TILES[64], exp2_fma=4)}
+# 128 blocks 1.38-1.39x); at 128 1.15x with none, 1.17-1.18x with 2, 4 or 6 of 16. Three runs of each on the H100
+# (2026-11-26, .bench/cap_ab.py, non-causal then causal, means): 1.38x and 1.37x with none, 1.38x and 1.34x with 2,
+# 1.39x and 1.37x with 3, 1.40x and 1.38x with 4: 2 (it was 4).
+WGMMA_SOFTCAP_TILES = {64: dataclasses.replace(WGMMA_TILES[64], exp2_fma=2)}
 WGMMA_CP_ASYNC_TILES = {64: WgmmaTiles(128, 112, 2), 128: WgmmaTiles(128, 64, 2)}
 # A block mask's call at headdim 64: blocks of one consumer warpgroup, two per multiprocessor
 # (`WgmmaTiles.blocks_per_sm`). A block costs about 9 microseconds beyond its tiles (H200, v5 forward at headdim
