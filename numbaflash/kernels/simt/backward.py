@@ -38,7 +38,7 @@ from ..key_tiles import key_tiles
 from ..mods import kernel_type, modifiers
 from ..query_tiles import query_tiles
 from ..sequences import sequences, stats_start, stats_tile_rows
-from .tiles import SCORE_PART, in_parts, outer_product, patch_writer, stagers, vector_width
+from .tiles import in_parts, outer_product, patch_writer, stagers, vector_width
 
 PREPROCESS_ROWS = 8  # query rows per block of the preprocess kernel: one warp each
 # The staged preprocess (v5's): rows per warp, each lane's loads of all of them issued before the sums, and
@@ -259,7 +259,7 @@ def build_dkdv(D, tiles, storage, mods=NONE):
     ZERO, ONE = ACC(0), ACC(1)
     stage_kv_t, _ = stagers(BLOCK_K, D, THREADS, ZERO, to_acc)
     stage_q_t, stage_q_n = stagers(BLOCK_Q, D, THREADS, ZERO, to_acc)
-    scores_patch = in_parts(outer_product(TK, TQ, 1, 0), SCORE_PART)  # S^T = K Q^T, dP^T = V dO^T over the head dim
+    scores_patch = in_parts(outer_product(TK, TQ, 1, 0), 32)  # S^T = K Q^T, dP^T = V dO^T over the head dim
     grad_patch = in_parts(outer_product(TK, VV, TD // VV, COLS_T * VV), BLOCK_Q)  # dV += P^T dO, dK += dS^T Q
     write_row = patch_writer(TD, VV, COLS_T, from_acc)
     load_rows = _rows_statistics(TQ, ACC)
@@ -365,7 +365,7 @@ def build_dq(D, tiles, storage, mods=NONE):
     ZERO, ONE = ACC(0), ACC(1)
     stage_q_t, _ = stagers(BLOCK_M, D, THREADS, ZERO, to_acc)
     stage_k_t, stage_k_n = stagers(BLOCK_N, D, THREADS, ZERO, to_acc)
-    scores_patch = in_parts(outer_product(TM, TN, 1, 0), SCORE_PART)  # S = Q K^T, dP = dO V^T over the head dim
+    scores_patch = in_parts(outer_product(TM, TN, 1, 0), 32)  # S = Q K^T, dP = dO V^T over the head dim
     grad_patch = in_parts(outer_product(TM, VV, TD // VV, COLS_T * VV), BLOCK_N)  # dQ += dS K over the keys
     write_row = patch_writer(TD, VV, COLS_T, from_acc)
     load_rows = _rows_statistics(TM, ACC)

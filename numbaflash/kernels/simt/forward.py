@@ -29,7 +29,7 @@ from ..fragments import fill
 from ..key_tiles import key_tiles
 from ..sequences import sequences
 from ..mods import kernel_type, modifiers
-from .tiles import SCORE_PART, in_parts, outer_product, patch_writer, stagers, vector_width
+from .tiles import in_parts, outer_product, patch_writer, stagers, vector_width
 
 
 def layout(D, tiles):
@@ -68,7 +68,7 @@ def build(D, tiles, storage, mods=NONE):
     SPARSE = mods.block_sparse
     stage_q, _ = stagers(BLOCK_M, D, THREADS, ZERO, to_acc)
     stage_k, stage_v = stagers(BLOCK_N, D, THREADS, ZERO, to_acc)
-    scores_patch = in_parts(outer_product(TM, TN, 1, 0), SCORE_PART)  # S = Q K^T over the head dimension
+    scores_patch = in_parts(outer_product(TM, TN, 1, 0), 32)  # S = Q K^T over the head dimension
     output_patch = outer_product(TM, VV, TD // VV, COLS_T * VV)  # acc += P V over the keys
     write_row = patch_writer(TD, VV, COLS_T, from_acc)
 

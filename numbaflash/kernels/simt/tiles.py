@@ -108,19 +108,13 @@ def stagers(ROWS, D, THREADS, ZERO, to_acc):
     return device_function(transposed), device_function(natural)
 
 
-# Head dimensions a score's dot product sums in one register before adding them to the score (`in_parts`): over
-# 256 in one register the rounding put a float64 kernel just past twice NumPy's error at headdim 200; 32 at a time
-# still put a float32 one past it at headdim 256 with logits near 1e3 (out 1.75e-4 against 2 x 7.6e-5, H100;
-# 2.0e-5 with 16, the float32 FMA chain emulated in NumPy: about sqrt(headdim) terms each level).
-SCORE_PART = 16
-
-
 def in_parts(product, CHUNK):
     """``run(acc, part, rows, cols, a, a_base, lda, b, b_base, ldb, depth)``: acc += ``product`` over depth as
     a two-level sum: each CHUNK-deep slice into ``part`` (zeroed), then into acc (see `add_tile`).
 
-    The gradients sum one key or query tile at a time (CHUNK = the tile); the scores `SCORE_PART` head
-    dimensions at a time.
+    The gradients sum one key or query tile at a time (CHUNK = the tile); the scores sum 32 head
+    dimensions at a time: over 256 of them in one register, the rounding put a float64 kernel just
+    past twice NumPy's error at headdim 200.
     """
 
     def run(acc, part, rows, cols, a, a_base, lda, b, b_base, ldb, depth):
