@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import numbaflash
@@ -26,6 +26,11 @@ def with_tiles(case, tiles):
 
 
 @given(case=cases())
+# float32 at headdim 256 with logits near 1e3, where the kernels' chains of 32 head dims and BLAS's blocks round a
+# score's sum differently (`cases.CHAINED_DTYPES`): drawn on the H100, out 1.75e-4 against the BLAS naive's
+# 7.6e-5 (its chained scores' 4.1e-4), and 7.5e-6 against 7.4e-6 (a chain of 16 erred 1.55e-5 there)
+@example(case=Case(1, 14, 2, 4, 2, 256, "float32", logit_scale=625.0, seed=0))
+@example(case=Case(1, 6, 11, 2, 1, 256, "float32", logit_scale=625.0, seed=762))
 def test_forward_matches_reference(case, arrays, poisoned):
     check_forward(case, numbaflash.attention, *arrays)
 
