@@ -119,7 +119,8 @@ def describe(x, name):
         except ImportError:
             raise TypeError(f"{name} offers only DLPack; install CuPy (numbaflash[cuda12] or [cuda13]) to pass it") from None
         return describe(cupy.from_dlpack(x), name)
-    raise TypeError(f"{name} must be a CuPy array, a torch CUDA tensor, or expose __cuda_array_interface__ "
+    host = ", a NumPy array (on the CUDA simulator)" if SIMULATOR else ""
+    raise TypeError(f"{name} must be a CuPy array, a torch CUDA tensor{host}, or expose __cuda_array_interface__ "
                     f"or __dlpack__; got {type(x).__module__}.{type(x).__name__}")
 
 

@@ -449,10 +449,12 @@ def run_backward(call, plan, dout, lse, out, delta, dq, dk, dv, preprocess=None)
     _launch(plan, 2, stream, call.mods, q, k, v, dout, lse, delta, dq, *extra, *maps[1], dq_pass_mods, layout=layout)
 
 
-def _check_like(op, want, name, like_name):
+def _check_like(op, want, name, like_name, shapes):
+    """ValueError unless ``op`` has ``want``'s shape, dtype, kind and device; ``shapes``: (want's, op's) as the
+    caller passed them (a 2-D call's operands are compared as (1, seqlen, 1, headdim) views)."""
     if op.shape != want.shape or op.dtype != want.dtype or op.kind != want.kind or op.device != want.device:
-        raise ValueError(f"{name} must match {like_name}: shape {want.shape}, dtype {want.dtype} on the same device; "
-                         f"got shape {op.shape}, dtype {op.dtype}")
+        raise ValueError(f"{name} must match {like_name}: shape {shapes[0]}, dtype {want.dtype} on the same device; "
+                         f"got shape {shapes[1]}, dtype {op.dtype}")
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
@@ -484,22 +486,23 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     call = inspect(q, k, v, causal, softmax_scale, window_size, modifications=dict(
         softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod, score_mod_grad=score_mod_grad,
         mask_mod=mask_mod, mod_args=mod_args, block_mask=block_mask), backward=True)
+    ops = [_arrays.describe(x, n) for x, n in ((dout, "dout"), (out, "out"))]  # TypeError for a non-array
+    lse_op = _arrays.describe(lse, "lse")
+    shown = [op.shape for op in (*ops, lse_op)]  # as the caller passed them, for the messages
     if call.single_head:
-        for x, name, ndim in ((dout, "dout", 2), (out, "out", 2), (lse, "lse", 1)):
-            if len(getattr(x, "shape", ())) != ndim:
+        for op, name, ndim in zip((*ops, lse_op), ("dout", "out", "lse"), (2, 2, 1)):
+            if len(op.shape) != ndim:
                 raise ValueError(f"{name} must be {ndim}-D in a 2-D (seqlen, headdim) call, as attention returns it; "
-                                 f"got shape {tuple(getattr(x, 'shape', ()))}")
-        ops = [_arrays.single_head_view(_arrays.describe(x, n), n) for x, n in ((dout, "dout"), (out, "out"))]
+                                 f"got shape {op.shape}")
+        ops = [_arrays.single_head_view(op, n) for op, n in zip(ops, ("dout", "out"))]
         lse_op = _arrays.describe(lse[None, None, :], "lse")
-    else:
-        ops = [_arrays.describe(x, n) for x, n in ((dout, "dout"), (out, "out"))]
-        lse_op = _arrays.describe(lse, "lse")
-    for op, name in zip(ops, ("dout", "out")):
-        _check_like(op, call.q, name, "q")
+    q_shown = call.q.shape[1::2] if call.single_head else call.q.shape
+    for op, name, got in zip(ops, ("dout", "out"), shown):
+        _check_like(op, call.q, name, "q", (q_shown, got))
     want_lse = (call.batch, call.nheads, call.seqlen_q)
     if lse_op.shape != want_lse or lse_op.dtype != call.lse_dtype:
-        raise ValueError(f"lse must be attention's log-sum-exp: shape {want_lse} (({call.seqlen_q},) for a 2-D call), "
-                         f"dtype {call.lse_dtype}; got shape {lse_op.shape}, dtype {lse_op.dtype}")
+        raise ValueError(f"lse must be attention's log-sum-exp: shape {want_lse[2:] if call.single_head else want_lse}, "
+                         f"dtype {call.lse_dtype}; got shape {shown[2]}, dtype {lse_op.dtype}")
     with _device_context(call):
         arguments.flag(deterministic, "deterministic")
         plan = (_check_plan(plan, call, "backward") if plan is not None else

@@ -78,7 +78,8 @@ def test_numpy_without_the_simulator_is_refused(monkeypatch):
 
 
 def test_not_an_array():
-    with pytest.raises(TypeError, match="q must be a CuPy array, a torch CUDA tensor.* got builtins.list"):
+    with pytest.raises(TypeError, match=r"q must be a CuPy array, a torch CUDA tensor, a NumPy array \(on the CUDA "
+                                        r"simulator\).* got builtins.list"):
         numbaflash.attention([[1.0]], *qkv()[1:])
 
 
@@ -142,6 +143,25 @@ def test_a_two_dimensional_backward_takes_two_dimensional_gradients():
         numbaflash.attention_backward(np.ones_like(out), q, k, v, out, lse[None])
     with pytest.raises(ValueError, match="window_size must be a pair of ints"):
         numbaflash.attention(q, k, v, window_size=5)
+    # The messages give the shapes as the caller passed them, not the kernels' (1, seqlen, 1, headdim) views.
+    with pytest.raises(ValueError, match=r"dout must match q: shape \(8, 16\), dtype float32 on the same device; "
+                                         r"got shape \(8, 16\), dtype float64"):
+        numbaflash.attention_backward(np.ones(out.shape), q, k, v, out, lse)
+    with pytest.raises(ValueError, match=r"lse must be attention's log-sum-exp: shape \(8,\), dtype float32; "
+                                         r"got shape \(8,\), dtype float64"):
+        numbaflash.attention_backward(np.ones_like(out), q, k, v, out, lse.astype(np.float64))
+
+
+@pytest.mark.parametrize("shape", ["2-D", "4-D"])
+@pytest.mark.parametrize("bad", [None, 1.0, "list"], ids=["None", "a float", "a list"])
+@pytest.mark.parametrize("name", ["dout", "out", "lse"])
+def test_backward_gradients_must_be_arrays(shape, bad, name):
+    q, k, v = qkv() if shape == "4-D" else (x[0, :, 0] for x in qkv())
+    out, lse = numbaflash.attention(q, k, v, return_lse=True)
+    given = dict(dout=np.ones_like(out), out=out, lse=lse)
+    given[name] = given[name].tolist() if bad == "list" else bad
+    with pytest.raises(TypeError, match=f"^{name} must be"):
+        numbaflash.attention_backward(given["dout"], q, k, v, given["out"], given["lse"])
 
 
 def test_the_torch_function_takes_torch_tensors():
