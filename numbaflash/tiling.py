@@ -60,12 +60,15 @@ class Tiles:
     A block owns ``block_m`` rows (queries; keys in the dK/dV kernel) and streams ``block_n`` columns at a
     time. Thread (r, c) computes a ``thread_m`` x ``thread_n`` patch of each score tile; the
     ``block_n / thread_n`` threads of a row group sit in one warp, so row maxima and sums are shuffles.
+    ``float64_scores`` (the float32 forward): each score's dot product, its scaling and its difference from the
+    row maximum in float64, rounded once before ex2 (`FLOAT64_SCORES`).
     """
 
     block_m: int
     block_n: int
     thread_m: int
     thread_n: int
+    float64_scores: bool = False
     blocks_per_sm = 1  # no launch bound shares a multiprocessor's registers (`WgmmaTiles.blocks_per_sm`)
 
     @property
@@ -187,6 +190,12 @@ class Launch:
 # memory: a 256-byte stack frame at 16 columns in the ptxas report, none at 8 or 12; the backward
 # kernels showed no stack frame at 16). 4x4 score patches do 16 FMAs per two 16-byte shared loads.
 MAX_THREAD_COLS = 12
+# The float32 forward's scores in float64 (`Tiles.float64_scores`) on GPUs that run float64 at half the float32 rate
+# (P100, V100, A100, H100, B200; others run it at 1/32-1/64): with logits in the thousands float32 scores are
+# quantized by ~1e-3, and P with them (`kernels.simt.forward`). Their 4 x 4 patches take 250-254 registers at 256
+# threads (ptxas 13.0, sm_90) and spill 260 bytes under the 512-thread tiling's 128 (FLOAT64_SCORES_SPILL).
+FLOAT64_SCORES = frozenset({(6, 0), (7, 0), (8, 0), (9, 0), (10, 0)})
+FLOAT64_SCORES_SPILL = frozenset({Tiles(128, 64, 4, 4)})
 SIMT_TILES = {
     # 128 x 64 with 512 threads measured fastest on the H200 (N = 4096: 23.5 TFLOP/s at headdim 64,
     # against 16.8 for 64 x 64 and 256 threads): its launch bounds hold it to 128 registers, and twice the
@@ -457,7 +466,8 @@ class Plan:
             rows = f"{n} keys (dK/dV) or {n} query rows (dQ)" if self.direction == "backward" else f"{n} query rows"
             owner = f"{t.warps} warps, each owning {rows}; mma.sync m16n8k16, float32 accumulators"
         else:
-            owner = f"each thread owns a {t.thread_m} x {t.thread_n} patch of every score tile"
+            owner = (f"each thread owns a {t.thread_m} x {t.thread_n} patch of every score tile"
+                     + ("; scores summed, scaled and taken from the row maximum in float64" if t.float64_scores else ""))
         if t.blocks_per_sm > 1:
             owner += (f"; {t.blocks_per_sm} blocks per multiprocessor (launch bounds: {t.entry_registers} registers a "
                       "thread at entry)")
@@ -472,17 +482,17 @@ class Plan:
         return "\n".join(lines)
 
 
-def _choose(direction, acc, D, acc_bytes, device, smem_of):
+def _choose(direction, acc, D, acc_bytes, device, smem_of, wide=False):
     if device.simulator:
-        return SIMULATOR_TILES
+        return dataclasses.replace(SIMULATOR_TILES, float64_scores=wide)
     fitting = [t for t in SIMT_TILES[(direction, acc)] if max(smem_of(t)) * acc_bytes <= device.smem_per_block
-               and D <= MAX_HEADDIM.get((direction, acc, t), D)]
+               and D <= MAX_HEADDIM.get((direction, acc, t), D) and not (wide and t in FLOAT64_SCORES_SPILL)]
     if not fitting:
         raise ValueError(f"headdim {D} in {acc} needs more shared memory than {device.name} offers per block "
                          f"({device.smem_per_block} bytes)")
     if direction == "forward":
         fitting = [t for t in fitting if t.thread_cols(D) <= MAX_THREAD_COLS] or fitting
-    return fitting[0]
+    return dataclasses.replace(fitting[0], float64_scores=wide)
 
 
 def make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward=False, device=None, tiles=None,
@@ -544,7 +554,8 @@ def _choose_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, b
         smem_of = lambda t: (simt_backward.smem_elements_dkdv(D, t), simt_backward.smem_elements_dq(D, t))
     else:
         smem_of = lambda t: (simt_forward.smem_elements(D, t),)
-    chosen = tiles or _choose(direction, acc, D, acc_bytes, device, smem_of)
+    wide = not backward and dtype == "float32" and (device.simulator or device.compute_capability in FLOAT64_SCORES)
+    chosen = tiles or _choose(direction, acc, D, acc_bytes, device, smem_of, wide)
     smem = [n * acc_bytes for n in smem_of(chosen)]
     bm, bn = chosen.block_m, chosen.block_n
     if backward:
@@ -560,6 +571,12 @@ def _choose_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, b
                f"{device.compute_capability[0]}.{device.compute_capability[1]}")
     else:
         why = f"{dtype} runs on the CUDA cores (the tensor-core kernels take float16 and bfloat16)"
+    if not backward and dtype == "float32":
+        runs = "the simulator plans as for GPUs that run" if device.simulator else f"{device.name} runs"
+        why += (f"; scores in float64, rounded once from the row maximum ({runs} float64 at half the float32 rate): "
+                "float32 scores in the thousands are quantized by ~1e-3" if chosen.float64_scores else
+                "; scores in float32" + ("" if tiles else f" ({device.name} runs float64 at a small fraction of the "
+                                                           "float32 rate)"))
     reason = (f"{why}; accumulates in {acc}, head dims padded to 32, 64, 128 or 256"
               + ("; the simulator plan uses small blocks" if device.simulator else ""))
     return _plan("simt_" + direction, reason, shape, device, D, chosen, smem, registers)

@@ -26,11 +26,14 @@ def with_tiles(case, tiles):
 
 
 @given(case=cases())
-# float32 at headdim 256 with logits near 1e3, where the kernels' chains of 32 head dims and BLAS's blocks round a
-# score's sum differently (`cases.CHAINED_DTYPES`): drawn on the H100, out 1.75e-4 against the BLAS naive's
-# 7.6e-5 (its chained scores' 4.1e-4), and 7.5e-6 against 7.4e-6 (a chain of 16 erred 1.55e-5 there)
+# float32 with logits in the thousands, where float32 scores are quantized by ~1e-3: with them the CUDA-core forward
+# erred past twice the naive implementation's in 7 of 300 random cases on the H100, none with float64 scores
+# (`tiling.FLOAT64_SCORES`). Drawn there with float32 scores: out 1.75e-4 against the BLAS naive's 7.6e-5 (its
+# chained scores' 4.1e-4, `cases.CHAINED_DTYPES`), 7.5e-6 against 7.4e-6, and the two below.
 @example(case=Case(1, 14, 2, 4, 2, 256, "float32", logit_scale=625.0, seed=0))
 @example(case=Case(1, 6, 11, 2, 1, 256, "float32", logit_scale=625.0, seed=762))
+@example(case=Case(1, 6, 40, 2, 2, 16, "float32", logit_scale=625.0, seed=30))  # 2.7x naive's error on the H100
+@example(case=Case(1, 97, 11, 2, 2, 64, "float32", logit_scale=2500.0, seed=173))  # with float32 scores: 2.5x
 def test_forward_matches_reference(case, arrays, poisoned):
     check_forward(case, numbaflash.attention, *arrays)
 
@@ -90,7 +93,7 @@ def test_inputs_the_copy_engine_cannot_read_run_with_cp_async(arrays):
 
 
 @pytest.mark.parametrize("dtype,headdim,device,kernel", [
-    ("float32", 64, HOPPER, "simt_forward"), ("bfloat16", 256, TURING, "simt_forward"),
+    ("float32", 64, HOPPER, "simt_forward"), ("float32", 64, TURING, "simt_forward"), ("bfloat16", 256, TURING, "simt_forward"),
     ("float64", 64, HOPPER, "simt_forward"), ("float64", 200, HOPPER, "simt_forward"),
     ("float16", 40, AMPERE, "mma_forward"), ("bfloat16", 72, HOPPER, "wgmma_tma_forward"),
     ("float16", 48, HOPPER, "wgmma_tma_forward"),
@@ -104,6 +107,18 @@ def test_production_tilings_on_small_shapes(dtype, headdim, device, kernel, arra
     assert plan.kernel == kernel and plan.tiles.threads >= 128 and plan.tiles == tiling.make_plan(
         1, 2, 1, 9, 21, headdim, dtype, device=device).tiles
     check_forward(case, lambda *a, **kw: numbaflash.attention(*a, plan=plan, **kw), *arrays)
+
+
+@pytest.mark.parametrize("device,wide", [(HOPPER, True), (AMPERE, True), (TURING, False)])
+def test_float32_forwards_take_float64_scores_where_float64_runs_at_half_rate(device, wide):
+    """`tiling.FLOAT64_SCORES`: the float32 CUDA-core forward sums, scales and subtracts its scores in float64 on
+    GPUs that run float64 at half the float32 rate, says so in its plan, and keeps float32 scores elsewhere."""
+    plan = tiling.make_plan(1, 2, 2, 300, 300, 64, "float32", device=device)
+    assert plan.kernel == "simt_forward" and plan.tiles.float64_scores == wide
+    assert ("scores in float64" in plan.reason) == wide and ("scores in float32" in plan.reason) != wide
+    assert plan.tiles not in tiling.FLOAT64_SCORES_SPILL or not wide
+    backward = tiling.make_plan(1, 2, 2, 300, 300, 64, "float32", device=device, backward=True)
+    assert not backward.tiles.float64_scores
 
 
 @pytest.mark.parametrize("mask", [dict(causal=True), dict(window_size=(3, 2))])

@@ -12,6 +12,13 @@ one head-dimension index), V as is, and P^T. Q is pre-multiplied by ``softmax_sc
 the scores are base-2 logits and the softmax uses exp2, the hardware's native exponential. With score
 modifications (`kernels.mods`) Q is pre-multiplied by ``softmax_scale``, and the modified natural-log
 scores times log2(e) become the base-2 logits.
+
+With ``Tiles.float64_scores`` (float32 on GPUs with full-rate float64, `tiling.FLOAT64_SCORES`) Q is staged
+unscaled, each score's dot product is summed in float64 from exact products, scaled in float64, and its
+difference from the row maximum rounded once to float32 before exp2: float32 scores in the thousands are
+quantized by ~1e-3, which moved P by as much and put the output past twice a float32 naive attention's
+error in 8 of 300 random cases with such logits (NumPy emulation, `.bench/f32_emu_sweep.py`; 7 of 300 on
+the H100), none with float64 scores. A modification takes the float64 score rounded to float32.
 """
 
 import math
@@ -68,7 +75,9 @@ def build(D, tiles, storage, mods=NONE):
     SPARSE = mods.block_sparse
     stage_q, _ = stagers(BLOCK_M, D, THREADS, ZERO, to_acc)
     stage_k, stage_v = stagers(BLOCK_N, D, THREADS, ZERO, to_acc)
-    scores_patch = in_parts(outer_product(TM, TN, 1, 0), 32)  # S = Q K^T over the head dimension
+    WIDE = tiles.float64_scores
+    SCORE = types.float64 if WIDE else ACC  # the scores' type, and the row maxima's
+    scores_patch = in_parts(outer_product(TM, TN, 1, 0, SCORE if WIDE else None), 32)  # S = Q K^T over the head dim
     output_patch = outer_product(TM, VV, TD // VV, COLS_T * VV)  # acc += P V over the keys
     write_row = patch_writer(TD, VV, COLS_T, from_acc)
 
@@ -102,19 +111,19 @@ def build(D, tiles, storage, mods=NONE):
             return
 
         smem = cuda.shared.array(0, ACC)
-        q_t = smem[Q_AT:K_AT]  # (D, LDQ): Q^T, pre-scaled
+        q_t = smem[Q_AT:K_AT]  # (D, LDQ): Q^T, pre-scaled (unscaled with float64 scores)
         k_t = smem[K_AT:V_AT]  # (D, LDK): K^T
         v_s = smem[V_AT:P_AT]  # (BLOCK_N, LDV): V
         p_t = smem[P_AT:END]  # (BLOCK_N, LDP): P^T
-        stage_q(q_t, LDQ, q, b, row_start, h, scale_log2, tid, vec)
+        stage_q(q_t, LDQ, q, b, row_start, h, ONE if WIDE else scale_log2, tid, vec)
 
-        m_i = cuda.local.array(TM, ACC)
+        m_i = cuda.local.array(TM, SCORE)
         l_i = cuda.local.array(TM, ACC)
         acc = cuda.local.array((TM, TD), ACC)
         pv = cuda.local.array((TM, TD), ACC)  # this tile's P V, summed into acc once (see add_tile)
         alpha_i = cuda.local.array(TM, ACC)
-        s = cuda.local.array((TM, TN), ACC)
-        s_part = cuda.local.array((TM, TN), ACC)
+        s = cuda.local.array((TM, TN), SCORE)
+        s_part = cuda.local.array((TM, TN), SCORE)
         for a in range(TM):
             m_i[a] = NEG_INF
             l_i[a] = ZERO
@@ -130,6 +139,10 @@ def build(D, tiles, storage, mods=NONE):
 
             fill(s, TM, TN, ZERO)
             scores_patch(s, s_part, TM, TN, q_t, r * TM, LDQ, k_t, c * TN, LDK, D)
+            if WIDE:
+                for a in range(TM):
+                    for bb in range(TN):
+                        s[a, bb] *= SCORE(scale_log2)
 
             # Only tiles that straddle the mask edge or the end of the keys pay for per-element masking,
             # unless modifications (`kernels.mods`) turn every visible score or a mask_mod may hide some.
@@ -145,7 +158,7 @@ def build(D, tiles, storage, mods=NONE):
                         if key < lo_a or key >= hi_a or row >= seqlen_q or (masked and not visible(b, h, row, key, bh)):
                             s[a, bb] = NEG_INF
                         elif MODIFIED:  # Q was scaled by softmax_scale: natural-log scores
-                            s[a, bb] = logit(s[a, bb], b, h, row, key, abs(distance - ACC(bb)), bh) * LOG2E
+                            s[a, bb] = logit(ACC(s[a, bb]), b, h, row, key, abs(distance - ACC(bb)), bh) * LOG2E
 
             # Online softmax: the new row max, and a rescale of what was summed against the old one.
             for a in range(TM):
@@ -155,11 +168,11 @@ def build(D, tiles, storage, mods=NONE):
                 m_new = max(m_i[a], group_max(row_max, COLS_T))
                 # A row that has seen only hidden keys keeps m = -inf; exponentiate it against 0.
                 base = m_new if m_new != NEG_INF else ZERO
-                alpha_i[a] = math.exp2(m_i[a] - base)
+                alpha_i[a] = math.exp2(ACC(m_i[a] - base))
                 m_i[a] = m_new
                 row_sum = ZERO
                 for bb in range(TN):
-                    p = math.exp2(s[a, bb] - base)
+                    p = math.exp2(ACC(s[a, bb] - base))
                     p_t[(c * TN + bb) * LDP + r * TM + a] = p
                     row_sum += p
                 # l_i stays a per-thread partial sum; the row group adds its partials once, at the end.

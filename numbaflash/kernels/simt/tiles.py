@@ -32,7 +32,7 @@ def vector_width(count, acc_bytes):
     return 1
 
 
-def outer_product(M_PER, N_VEC, N_GROUPS, N_STRIDE):
+def outer_product(M_PER, N_VEC, N_GROUPS, N_STRIDE, PRODUCT=None):
     """``accumulate(acc, a, a_base, lda, b, b_base, ldb, depth)`` for an ``M_PER x (N_GROUPS*N_VEC)`` patch.
 
     Row i of the patch is ``a[a_base + k*lda + i]``; column ``g*N_VEC + j`` is
@@ -42,8 +42,18 @@ def outer_product(M_PER, N_VEC, N_GROUPS, N_STRIDE):
     Four k steps per loop iteration, written out: NVVM would not unroll a loop over them (the body is
     past its threshold), and rolled, each k step spent as many instructions on 64-bit address
     arithmetic and the loop counter as on FMAs. Written out, the addresses are base + constants.
+    ``PRODUCT`` (a numba type): the type each product is formed in, the accumulator's where it is wider than the
+    operands (float32 operands into float64 scores: the products exact); None: the operands'.
     """
     load_a, load_b = patch(M_PER), patch(N_VEC)
+    if PRODUCT is None:
+        @device_function
+        def widen(x):
+            return x
+    else:
+        @device_function
+        def widen(x):
+            return PRODUCT(x)
 
     @device_function
     def step(acc, a, ia, b, ib):
@@ -52,7 +62,7 @@ def outer_product(M_PER, N_VEC, N_GROUPS, N_STRIDE):
             bv = load_b(b, ib + g * N_STRIDE)
             for i in range(M_PER):
                 for j in range(N_VEC):
-                    acc[i, g * N_VEC + j] += av[i] * bv[j]
+                    acc[i, g * N_VEC + j] += widen(av[i]) * widen(bv[j])
 
     @device_function
     def accumulate(acc, a, a_base, lda, b, b_base, ldb, depth):
