@@ -77,9 +77,12 @@ def test_rows_that_see_no_key_are_written_and_load_nothing():
 
 def test_padded_head_dims_are_not_loaded():
     # float32, d = 40 on the 64-wide bucket: 16-byte loads of 10 of each row's 16 slots. A row is 160
-    # bytes, five whole sectors: Q (128 rows) and K, V (two tiles of 64 rows) cost exactly their bytes.
-    (kernel,) = traffic(1, 1, 1, 128, 128, 40, "float32")
+    # bytes, five whole sectors. One block of 128 rows: Q and K, V (two tiles of 64 rows) cost exactly their
+    # bytes. The Hopper plan's blocks of 64 rows (float64 scores) read K and V once per block.
+    (kernel,) = traffic(1, 1, 1, 128, 128, 40, "float32", tiles=tiling.Tiles(128, 64, 4, 4))
     assert kernel.load_bytes == 128 * 160 + 2 * 2 * 64 * 160
+    (kernel,) = traffic(1, 1, 1, 128, 128, 40, "float32")
+    assert kernel.kernel == "simt_forward" and kernel.load_bytes == 128 * 160 + 2 * 2 * 2 * 64 * 160
 
 
 def test_unaligned_rows_cost_the_sectors_they_straddle():
