@@ -501,8 +501,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         _check_like(op, call.q, name, "q", (q_shown, got))
     want_lse = (call.batch, call.nheads, call.seqlen_q)
     if lse_op.shape != want_lse or lse_op.dtype != call.lse_dtype:
-        raise ValueError(f"lse must be attention's log-sum-exp: shape {want_lse[2:] if call.single_head else want_lse}, "
-                         f"dtype {call.lse_dtype}; got shape {shown[2]}, dtype {lse_op.dtype}")
+        want_shown = want_lse[2:] if call.single_head else want_lse
+        raise ValueError(f"lse must be attention's log-sum-exp: shape {want_shown}, dtype {call.lse_dtype}; "
+                         f"got shape {shown[2]}, dtype {lse_op.dtype}")
     with _device_context(call):
         arguments.flag(deterministic, "deterministic")
         plan = (_check_plan(plan, call, "backward") if plan is not None else

@@ -467,7 +467,8 @@ class Plan:
             owner = f"{t.warps} warps, each owning {rows}; mma.sync m16n8k16, float32 accumulators"
         else:
             owner = (f"each thread owns a {t.thread_m} x {t.thread_n} patch of every score tile"
-                     + ("; scores summed, scaled and taken from the row maximum in float64" if t.float64_scores else ""))
+                     + ("; scores summed, scaled and taken from the row maximum in float64" if t.float64_scores
+                        else ""))
         if t.blocks_per_sm > 1:
             owner += (f"; {t.blocks_per_sm} blocks per multiprocessor (launch bounds: {t.entry_registers} registers a "
                       "thread at entry)")
@@ -561,7 +562,8 @@ def _choose_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, b
     if backward:
         registers = acc_bytes * (2 * bm * D + 2 * bm * bn + 2 * bn)  # dK, dV or dQ accumulators, S and dP
     else:
-        registers = acc_bytes * (bm * D + bm * bn + 2 * bm)  # O accumulator, S, m and l
+        score_bytes = 8 if chosen.float64_scores else acc_bytes
+        registers = acc_bytes * (bm * D + bm) + score_bytes * (bm * bn + bm)  # O accumulator and l; S and m
     if dtype in ("float16", "bfloat16") and uses_tensor_cores(dtype, device):
         why = ("CUDA-core tiles were requested" if tiles is not None else
                f"headdim {headdim} > {mma_backward.MAX_HEADDIM}: the tensor-core backward keeps a warp's 16 x headdim "

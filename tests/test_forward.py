@@ -93,7 +93,8 @@ def test_inputs_the_copy_engine_cannot_read_run_with_cp_async(arrays):
 
 
 @pytest.mark.parametrize("dtype,headdim,device,kernel", [
-    ("float32", 64, HOPPER, "simt_forward"), ("float32", 64, TURING, "simt_forward"), ("bfloat16", 256, TURING, "simt_forward"),
+    ("float32", 64, HOPPER, "simt_forward"), ("float32", 64, TURING, "simt_forward"),
+    ("bfloat16", 256, TURING, "simt_forward"),
     ("float64", 64, HOPPER, "simt_forward"), ("float64", 200, HOPPER, "simt_forward"),
     ("float16", 40, AMPERE, "mma_forward"), ("bfloat16", 72, HOPPER, "wgmma_tma_forward"),
     ("float16", 48, HOPPER, "wgmma_tma_forward"),
