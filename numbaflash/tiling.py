@@ -574,11 +574,11 @@ def _choose_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, b
     else:
         why = f"{dtype} runs on the CUDA cores (the tensor-core kernels take float16 and bfloat16)"
     if not backward and dtype == "float32":
-        runs = "the simulator plans as for GPUs that run" if device.simulator else f"{device.name} runs"
-        why += (f"; scores in float64, rounded once from the row maximum ({runs} float64 at half the float32 rate): "
-                "float32 scores in the thousands are quantized by ~1e-3" if chosen.float64_scores else
-                "; scores in float32" + ("" if tiles else f" ({device.name} runs float64 at a small fraction of the "
-                                                           "float32 rate)"))
+        scores = ("in float64, rounded once from the row maximum: float32 scores in the thousands are quantized by "
+                  "~1e-3" if chosen.float64_scores else "in float32")
+        rate = ("the simulator plans as for GPUs that run float64 at half the float32 rate" if device.simulator else
+                f"{device.name} runs float64 at {'half' if wide else 'a small fraction of'} the float32 rate")
+        why += f"; scores {scores} ({rate})"
     reason = (f"{why}; accumulates in {acc}, head dims padded to 32, 64, 128 or 256"
               + ("; the simulator plan uses small blocks" if device.simulator else ""))
     return _plan("simt_" + direction, reason, shape, device, D, chosen, smem, registers)
