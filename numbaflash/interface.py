@@ -213,7 +213,8 @@ def _make_plan(call, backward, device, aligned, deterministic):
     return tiling.make_plan(call.batch, call.nheads, call.nheads_kv, call.seqlen_q, call.seqlen_k, call.headdim,
                             call.dtype, backward=backward, device=device, aligned=aligned, packed=call.mods.packed,
                             user_functions=call.mods.per_score_functions, deterministic=deterministic,
-                            softcap_alone=call.mods.softcap_alone, block_sparse=call.mods.block_sparse)
+                            softcap_alone=call.mods.softcap_alone, block_sparse=call.mods.block_sparse,
+                            alibi_alone=call.mods.alibi_alone)
 
 
 def _check_plan(plan, call, direction):

@@ -118,7 +118,9 @@ class WgmmaTiles:
     row's ``block_n / 8`` 8-key chunks take the softmax's exponentials from a polynomial on the FMA pipe instead
     of the special-function unit's ex2 (`kernels.softmax.fma_chunk`); ``blocks_per_sm`` blocks share a
     multiprocessor (2: each gets half its registers and shared memory, so one block's start and end run under
-    the other's tiles; `wgmma.pipeline.register_moves`)."""
+    the other's tiles; `wgmma.pipeline.register_moves`); with ``alibi_columns`` (v5) a call with ALiBi alone
+    (`numbaflash.mods.Mods.alibi_alone`) takes each one-sided tile's column term from one more wgmma k-step
+    (`wgmma.alibi_columns`), other calls ignore it."""
 
     block_m: int
     block_n: int
@@ -129,6 +131,7 @@ class WgmmaTiles:
     pingpong: bool = False
     exp2_fma: int = 0
     blocks_per_sm: int = 1
+    alibi_columns: bool = False
 
     def __post_init__(self):
         if self.block_m != 64 * self.warpgroups:
@@ -147,6 +150,8 @@ class WgmmaTiles:
         if self.blocks_per_sm not in (1, 2) or self.blocks_per_sm == 2 and not (self.producer and self.warpgroups == 1):
             raise ValueError(f"two blocks share a multiprocessor with one consumer warpgroup beside a producer "
                              f"(blocks_per_sm 1 or 2); got {self}")
+        if self.alibi_columns and not self.tma:
+            raise ValueError(f"ALiBi's column term from the tensor cores (alibi_columns) is v5's (tma=True); got {self}")
 
     @property
     def threads(self):
@@ -273,6 +278,11 @@ WGMMA_USER_FUNCTION_TILES = {64: WgmmaTiles(128, 128, 2, producer=True, tma=True
 # (2026-11-26, .bench/cap_ab.py, non-causal then causal, means): 1.38x and 1.37x with none, 1.38x and 1.34x with 2,
 # 1.39x and 1.37x with 3, 1.40x and 1.38x with 4: 2 (it was 4).
 WGMMA_SOFTCAP_TILES = {64: dataclasses.replace(WGMMA_TILES[64], exp2_fma=2)}
+# ALiBi alone at headdim 64 takes a one-sided tile's column term from one more wgmma k-step (`wgmma.alibi_columns`):
+# its per-score FFMA and per-tile column products and conversions had made its forward 1.12-1.16x the plain one's.
+# Packed sequences keep the per-score bias: with the column operands v5's packed forward at 64 spills 124 bytes
+# (64 without; ptxas 13.0).
+WGMMA_ALIBI_TILES = {64: dataclasses.replace(WGMMA_TILES[64], alibi_columns=True)}
 WGMMA_CP_ASYNC_TILES = {64: WgmmaTiles(128, 112, 2), 128: WgmmaTiles(128, 64, 2)}
 # A block mask's call at headdim 64: blocks of one consumer warpgroup, two per multiprocessor
 # (`WgmmaTiles.blocks_per_sm`). A block costs about 9 microseconds beyond its tiles (H200, v5 forward at headdim
@@ -498,7 +508,7 @@ def _choose(direction, acc, D, acc_bytes, device, smem_of, wide=False):
 
 def make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward=False, device=None, tiles=None,
               aligned=True, packed=False, user_functions=False, deterministic=True, softcap_alone=False,
-              block_sparse=False):
+              block_sparse=False, alibi_alone=False):
     """The plan for these sizes on ``device`` (default: the current one). ``tiles`` overrides the blocks.
     ``aligned``: whether q, k and v have a contiguous head dim, a multiple of 8, and 16-byte aligned
     strides, as the bulk tensor copy engine needs (`interface.vector_staging`). ``packed``: a varlen call
@@ -506,19 +516,19 @@ def make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, back
     grid covers. ``user_functions``: the forward calls the user's functions per score
     (`numbaflash.mods.Mods.per_score_functions`); ``softcap_alone``: its scores go through softcap's tanh alone
     (`numbaflash.mods.Mods.softcap_alone`); ``block_sparse``: a block mask's call, whose blocks visit only its
-    non-empty tiles.
+    non-empty tiles; ``alibi_alone``: ALiBi without softcap or a score_mod (`numbaflash.mods.Mods.alibi_alone`).
     ``deterministic``: a backward whose repeats are bitwise identical; False with v5's ``tiles`` runs its dK/dV
     kernel that accumulates dQ with float32 atomics (`WGMMA_ATOMIC_DQ`), which no plan picks by itself."""
     device = current_device() if device is None else device
     return _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned,
-                      packed, user_functions, deterministic, softcap_alone, block_sparse)
+                      packed, user_functions, deterministic, softcap_alone, block_sparse, alibi_alone)
 
 
 @functools.lru_cache(maxsize=1024)  # plans are immutable; a model calls attention with few distinct shapes
 def _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned, packed,
-               user_functions, deterministic, softcap_alone, block_sparse):
+               user_functions, deterministic, softcap_alone, block_sparse, alibi_alone):
     plan = _choose_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned,
-                        packed, user_functions, deterministic, softcap_alone, block_sparse)
+                        packed, user_functions, deterministic, softcap_alone, block_sparse, alibi_alone)
     if backward and not deterministic and not isinstance(plan.tiles, WgmmaTiles):  # the wgmma plans say their own
         plan = dataclasses.replace(plan, reason=plan.reason + f"; deterministic=False: {plan.kernel} has no atomic "
                                    "dQ, and runs its deterministic passes")
@@ -526,7 +536,7 @@ def _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, bac
 
 
 def _choose_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned, packed,
-                 user_functions, deterministic, softcap_alone, block_sparse):
+                 user_functions, deterministic, softcap_alone, block_sparse, alibi_alone):
     from .kernels.mma import backward as mma_backward
     from .kernels.simt import backward as simt_backward, forward as simt_forward
 
@@ -542,7 +552,7 @@ def _choose_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, b
             return _wgmma_backward_plan(shape, device, tiles, aligned, packed, deterministic, block_sparse)
         if not backward and (isinstance(tiles, WgmmaTiles) or (tiles is None and uses_wgmma(dtype, device, headdim))):
             return _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, softcap_alone,
-                                       block_sparse)
+                                       block_sparse, alibi_alone)
         if not backward:
             return _mma_forward_plan(shape, device, tiles)
         if headdim <= mma_backward.MAX_HEADDIM:
@@ -679,7 +689,8 @@ def _mma_forward_plan(shape, device, tiles, hopper=""):
     return _plan("mma_forward", reason, shape, device, D, tiles, smem, registers)
 
 
-def _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, softcap_alone, block_sparse):
+def _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, softcap_alone, block_sparse,
+                        alibi_alone):
     from .kernels.wgmma import forward as wgmma_forward, ws_forward as wgmma_ws_forward
 
     D = next(D for D in WGMMA_HEADDIMS if shape["headdim"] <= D)
@@ -688,7 +699,8 @@ def _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, s
         tiles = (SIMULATOR_WGMMA_TILES if device.simulator else
                  WGMMA_USER_FUNCTION_TILES.get(D, WGMMA_TILES[D]) if user_functions else
                  WGMMA_BLOCK_SPARSE_TILES.get(D, WGMMA_TILES[D]) if block_sparse else
-                 WGMMA_SOFTCAP_TILES.get(D, WGMMA_TILES[D]) if softcap_alone else WGMMA_TILES[D])
+                 WGMMA_SOFTCAP_TILES.get(D, WGMMA_TILES[D]) if softcap_alone else
+                 WGMMA_ALIBI_TILES.get(D, WGMMA_TILES[D]) if alibi_alone and not packed else WGMMA_TILES[D])
         if user_functions and D in WGMMA_USER_FUNCTION_TILES and not device.simulator:
             copies = (f"; the user's functions called per score: {tiles.warpgroups} consumer warpgroups, whose "
                       f"registers hold them ({WGMMA_TILES[D].warpgroups} spill them)")
@@ -697,6 +709,9 @@ def _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, s
         elif tiles.exp2_fma:
             copies = (f"; softcap's tanh and the softmax's ex2 bound the special-function unit: {tiles.exp2_fma} of "
                       f"{tiles.block_n // 8} 8-key chunks take ex2 from a polynomial on the FMA pipe")
+        elif tiles.alibi_columns:
+            copies = ("; ALiBi alone: one more wgmma k-step adds the bias's column term to each key tile on one side "
+                      "of a warpgroup's diagonal, whose scores then take no instruction of their own")
         cp_async = ("q, k or v has a head dim that is not contiguous, not a multiple of 8 or not 16-byte aligned, "
                     "which the bulk tensor copy engine cannot read" if tiles.tma and not aligned else "")
         if (cp_async or not tiles.producer) and D not in WGMMA_CP_ASYNC_TILES:

@@ -46,7 +46,8 @@ def grid():
                     plan = tiling.make_plan(b, h, hk, nq, nk, d, dtype, tiles=tiling.WGMMA_USER_FUNCTION_TILES[64])
                     numbaflash.attention(q, k, v, plan=plan, **mask)
                     numbaflash.attention(q, k, v, softcap=5.0, **mask)  # softcap alone: part of ex2 on the FMA pipe
-                    # ALiBi alone: v5 visits the key tiles from each block's diagonal (`key_tiles.tile_order`)
+                    # ALiBi alone: v5's column operands in shared memory (`wgmma.alibi_columns`), its key tiles
+                    # from beside each block's diagonal (`key_tiles.tile_order`)
                     numbaflash.attention(q, k, v, alibi_slopes=cupy.full((h,), 0.5, np.float32), **mask)
                     numbaflash.attention(*(cupy.concatenate([x] * 4, axis=-1) for x in (q, k, v)), **mask)
         # Every modification at once, the mask through a block mask (the kernels' tile tables) on one shape:

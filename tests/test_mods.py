@@ -219,14 +219,42 @@ def test_a_built_in_modification_alone(family, name, arrays, poisoned, mode):
                        *arrays)
 
 
+# ALiBi alone's column term from the tensor cores (`wgmma.alibi_columns`): 150 queries over 40 keys in 16-key tiles
+# give a 128-row block's two warpgroups tiles right of and across their diagonals and the next block's tiles left
+# of and across its own; a slope 2^64 times the scale takes every tile's bias per score in natural units
+# (`kernels.mods.alibi_columns_units`), beside a head whose column term is 2^60 per key in units of the scale; a
+# negative scale turns the row terms with the scores, and a zero one takes natural units.
+ALIBI_COLUMNS_TILES = tiling.WgmmaTiles(128, 16, 2, producer=True, tma=True, pingpong=True, alibi_columns=True)
+ALIBI_COLUMNS_CASES = {
+    "150 x 40": dict(seqlen_q=150, seqlen_k=40, slopes=[[0.3, 0.05], [1.0, 0.01]]),
+    "causal, 90 x 120": dict(seqlen_q=90, seqlen_k=120, slopes=[[0.3, 0.05]], causal=True),
+    "slope 2^64 times the scale": dict(seqlen_q=70, seqlen_k=90, slopes=[[1.0, 0.01]], softmax_scale=1e-20),
+    "negative scale": dict(seqlen_q=70, seqlen_k=90, slopes=[[0.3, 0.05]], softmax_scale=-0.3),
+    "zero scale": dict(seqlen_q=70, seqlen_k=90, slopes=[[0.3, 0.05]], softmax_scale=0.0),
+}
+
+
+@pytest.mark.parametrize("name", ALIBI_COLUMNS_CASES)
+def test_alibi_columns_from_the_tensor_cores(name, arrays, poisoned):
+    """v5's forward with ALiBi's column term from one more wgmma k-step against the reference, the warpgroups of
+    a block on different sides of their diagonals."""
+    spec = dict(ALIBI_COLUMNS_CASES[name])
+    slopes = np.array(spec.pop("slopes"), np.float32)
+    case = Case(slopes.shape[0], spec.pop("seqlen_q"), spec.pop("seqlen_k"), 2, 1, HEADDIM, "float16", logit_scale=2.0,
+                seed=11, modifications=dict(alibi_slopes=slopes), **spec)
+    plan = tiling.make_plan(case.batch, case.nheads, case.nheads_kv, case.seqlen_q, case.seqlen_k, case.headdim,
+                            case.dtype, tiles=ALIBI_COLUMNS_TILES)
+    check_forward(case, lambda *a, **kw: numbaflash.attention(*a, plan=plan, **kw), *arrays)
+
+
 @pytest.mark.parametrize("seqlen_q, seqlen_k, block_m, block_n, causal, window", [
     (40, 70, 64, 16, False, (-1, -1)), (16384, 16384, 192, 96, False, (-1, -1)), (1000, 300, 128, 128, True, (-1, -1)),
     (300, 1000, 64, 16, False, (50, 20))])
 def test_alibi_blocks_visit_each_key_tile_once_from_their_diagonal(seqlen_q, seqlen_k, block_m, block_n, causal,
                                                                     window):
-    """`key_tiles.tile_order` with ALiBi: a forward block visits each of its key tiles once, the first the tile of its
-    middle row's diagonal (clamped to its tiles), where the bias peaks; without ALiBi, with a block mask or packed
-    sequences, in ascending order."""
+    """`key_tiles.tile_order` with ALiBi: a forward block visits each of its key tiles once, first those wholly left
+    of its first row's diagonal from the nearest leftward, then the rest in ascending order (the diagonal's, then
+    those right of it); without ALiBi, with a block mask or packed sequences, in ascending order."""
     left, right = (window[0], 0) if causal else window
     count, _, _ = key_tiles.key_tiles(Mods(), block_m, block_n)
     orders = {name: key_tiles.tile_order(mods, block_m, block_n) for name, mods in
@@ -237,10 +265,10 @@ def test_alibi_blocks_visit_each_key_tile_once_from_their_diagonal(seqlen_q, seq
         n_base, ntiles = (lo // block_n) * block_n, count(None, 0, 0, row_start, lo, hi)
         visits = [orders["ALiBi"](it, row_start, n_base, ntiles, seqlen_q, seqlen_k) for it in range(ntiles)]
         assert sorted(visits) == list(range(ntiles)), (row_start, visits)
-        if ntiles:
-            peak = min(max(row_start + block_m // 2 + seqlen_k - seqlen_q, n_base), n_base + ntiles * block_n - 1)
-            assert n_base + visits[0] * block_n <= peak < n_base + (visits[0] + 1) * block_n, (row_start, visits)
-            rotated += visits[0] > 0
+        diagonal = row_start + seqlen_k - seqlen_q  # the first row's
+        before = [tile for tile in range(ntiles) if n_base + (tile + 1) * block_n <= diagonal]
+        assert visits == before[::-1] + list(range(len(before), ntiles)), (row_start, visits)
+        rotated += bool(before)
         for name in ("plain", "packed"):
             assert [orders[name](it, row_start, n_base, ntiles, seqlen_q, seqlen_k) for it in range(ntiles)] == list(
                 range(ntiles))
@@ -627,6 +655,47 @@ def test_only_the_users_per_score_functions_keep_headdim_64_at_two_consumers():
         assert plan(mods, headdim=128).tiles == tiling.WGMMA_TILES[128]
         assert plan(mods, headdim=128, backward=True).tiles == tiling.WGMMA_BACKWARD_TILES[128]
     assert tiling.SHARED_BLOCKS_REASON not in plan(Mods()).reason
+
+
+def test_alibi_alone_at_headdim_64_takes_its_column_term_from_the_tensor_cores():
+    """ALiBi alone plans `tiling.WGMMA_ALIBI_TILES` at headdim 64 and says why; with softcap or a score_mod, packed
+    sequences, a block mask, at headdim 128 and in the backward it does not. The column operands take shared
+    memory beside the tiles, and only v5 (bulk tensor copies) has them."""
+    hopper = tiling.Device("H100 (planned)", (9, 0), 132, 227 * 1024)
+
+    def plan(mods, headdim=64, backward=False):
+        return tiling.make_plan(1, 8, 8, 2048, 2048, headdim, "float16", device=hopper, backward=backward,
+                                packed=mods.packed, user_functions=mods.per_score_functions,
+                                softcap_alone=mods.softcap_alone, block_sparse=mods.block_sparse,
+                                alibi_alone=mods.alibi_alone)
+
+    alibi = plan(Mods(alibi=True))
+    assert alibi.tiles == tiling.WGMMA_ALIBI_TILES[64] and alibi.tiles.alibi_columns
+    assert "ALiBi alone: one more wgmma k-step adds the bias's column term" in alibi.reason
+    columns = 2 * (64 + alibi.tiles.block_n) * 64  # bytes of A's and B's swizzle atoms
+    assert alibi.launches[0].smem_bytes == plan(Mods()).launches[0].smem_bytes + columns
+    for other in (plan(Mods(alibi=True, softcap=True)), plan(Mods(alibi=True, score_mod=relative_bias)),
+                  plan(Mods(alibi=True, packed=True)), plan(Mods(alibi=True, mask_mod=same_document_causal,
+                                                                 block_sparse=True)),
+                  plan(Mods(alibi=True), headdim=128), plan(Mods(alibi=True), backward=True), plan(Mods())):
+        assert not getattr(other.tiles, "alibi_columns", False) and "column term" not in other.reason
+    with pytest.raises(ValueError, match="alibi_columns.*is v5's"):
+        tiling.WgmmaTiles(64, 16, 1, producer=True, alibi_columns=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("headdim", [64, 128])
+def test_built_in_modifications_keep_their_forwards_in_registers(headdim):
+    """No local memory in the planned forwards of softcap alone, ALiBi alone (at 64 with its column operands) and
+    both together."""
+    from numbaflash import interface
+
+    for mods in (Mods(softcap=True), Mods(alibi=True), Mods(softcap=True, alibi=True)):
+        plan = tiling.make_plan(1, 8, 8, 2048, 2048, headdim, "float16", softcap_alone=mods.softcap_alone,
+                                alibi_alone=mods.alibi_alone)
+        for launch in plan.launches:
+            attrs = interface.kernel_for(plan, launch, mods).cufunc().attrs
+            assert attrs.local == 0, f"{launch.kernel} {mods.describe()} d={headdim}: {attrs.local} bytes of local memory"
 
 
 def test_two_blocks_per_multiprocessor_take_one_consumer_and_half_the_shared_memory():

@@ -10,7 +10,7 @@
 * ``full(mod, b, h, row_start, it)``: whether the block mask found ``mask_mod`` true on all of it (so the
   kernel skips mask_mod there); False without a block mask.
 
-`tile_order` gives the order v5's forward visits them in (ALiBi's blocks start at their diagonal).
+`tile_order` gives the order v5's forward visits them in (ALiBi's blocks start beside their diagonal).
 
 With a block mask (``mods.block_sparse``) ``mod[0]`` is `numbaflash.block_sparsity.BlockMask.key_tiles`'s
 ``(table, bits)``, made for these tiles and the call's causal/window mask: entry 0 of a query tile is its
@@ -88,20 +88,20 @@ def tile_order(mods, BLOCK_M, BLOCK_N):
     """``order(it, row_start, n_base, ntiles, seqlen_q, seqlen_k)``: the tile (for ``start``, ``full`` and the
     verdicts' ``slot``) a forward block visits at iteration ``it`` of ``ntiles``.
 
-    With ALiBi the block starts at the tile of its middle row's diagonal (key ``row + seqlen_k - seqlen_q``, where
-    the bias -slope |distance| peaks) and wraps around, so its rows' maxima are found at once and then seldom move
-    past `softmax.RESCALE_LOG2`: in ascending order a steep head's maxima moved at every tile up to the diagonal
-    (the bias rises by slope x BLOCK_N per tile), and each move rescales the output. Otherwise ``it``: a block
-    mask's table lists its own order, and packed sequences keep theirs (the producer zeroes the rows past a
-    sequence in the last tile it copies). v5's causal ALiBi forward went from 1.20x to 1.09x the plain one's time at
-    headdim 128 and from 1.19x to 1.17x at 64, the non-causal one stayed at 1.05x and 1.14-1.15x (H100, fp16,
-    N = 16384, 16 heads, stream timing, .bench/alibi_ab.py)."""
+    With ALiBi the block starts at the last tile wholly left of its first row's diagonal (key ``row + seqlen_k -
+    seqlen_q``, where the bias -slope |distance| peaks), goes left from there, then visits the rest in ascending
+    order: the tiles across the block's diagonal, then those right of it. So its rows' maxima are found at once
+    and move past `softmax.RESCALE_LOG2` about once (on the diagonal), where in ascending order a steep head's
+    moved at every tile up to the diagonal (the bias rises by slope x BLOCK_N per tile), each move rescaling the
+    output; and a causal block's masked tiles come last, as the plain kernel's do. Starting at the middle row's
+    diagonal tile instead, the tile the mask crosses opened the pipeline, where its softmax overlaps no product.
+    Otherwise ``it``: a block mask's table lists its own order, and packed sequences keep theirs (the producer
+    zeroes the rows past a sequence in the last tile it copies)."""
     if mods.alibi and not mods.block_sparse and not mods.packed:
         @device_function
         def order(it, row_start, n_base, ntiles, seqlen_q, seqlen_k):
-            peak = row_start + BLOCK_M // 2 + seqlen_k - seqlen_q
-            tile = it + min(max((peak - n_base) // BLOCK_N, 0), ntiles - 1)
-            return tile - ntiles if tile >= ntiles else tile
+            left = min(max((row_start + seqlen_k - seqlen_q - n_base) // BLOCK_N, 0), ntiles)  # tiles left of it
+            return left - 1 - it if it < left else it
     else:
         @device_function
         def order(it, row_start, n_base, ntiles, seqlen_q, seqlen_k):

@@ -63,6 +63,44 @@ def alibi_side(rows_start, rows_end, cols_start, cols_end, cols_offset):
     return 0
 
 
+# The largest |slope / softmax_scale| whose column and row terms stay finite in float32 (2^64 times a key tile's
+# columns and any sequence's rows, both below 2^32).
+_GAMMA_LIMIT = np.float32(2.0 ** 64)
+
+
+@device_function
+def alibi_columns_units(scale, slope):
+    """``(units, gamma, ok)`` of ALiBi alone's scores in a kernel whose tensor cores add each one-sided tile's
+    column term (`wgmma.alibi_columns`): scores are natural-log scores over ``units``, ``gamma = slope / units``
+    the bias per key in those units. ``ok``: |slope / scale| is below 2^64, so the tensor cores take one-sided
+    tiles' columns in units of ``scale``; else (``scale`` 0, or a slope 2^64 times it) every tile's bias is
+    formed per score in natural units (units 1), and `alibi_columns_side` is 0."""
+    # without a branch, so that a kernel's loop hoists the division
+    gamma = slope / (scale if scale != 0 else types.float32(1))
+    ok = scale != 0 and abs(gamma) < _GAMMA_LIMIT  # False for NaN
+    return (scale if ok else types.float32(1)), (gamma if ok else slope), ok
+
+
+@device_function
+def alibi_columns_offset(row, n_start, seqlen_q, seqlen_k):
+    """How far right of ``row``'s diagonal key ``n_start`` is, as a float32 (exact below 2^24): one int64 sum and
+    conversion per tile, from which `alibi_columns_side` and the row terms follow (int64 sides and row terms in
+    each warp and in the kernel took 57 more instructions a warp tile, ncu, H100)."""
+    return types.float32(n_start + seqlen_q - seqlen_k - row)
+
+
+@device_function
+def alibi_columns_side(offset, block_n):
+    """`alibi_side` of a warpgroup's 64 rows and a tile of ``block_n`` keys whose first is ``offset`` right of the
+    warpgroup's first row's diagonal (`alibi_columns_offset`): the side the tensor cores' column term took, which
+    the kernel finds by `alibi_side` (a float offset's rounding past 2^24 cannot cross 63 or 1 - block_n)."""
+    if offset >= types.float32(63):
+        return 1
+    if offset <= types.float32(1 - block_n):
+        return -1
+    return 0
+
+
 def kernel_type(mods, ACC):
     """The numba type of the ``mod`` argument of a kernel accumulating in ``ACC``."""
     # A block mask's (table, bits) (`block_sparsity.BlockMask.key_tiles`), C-contiguous as it makes them, so that

@@ -54,7 +54,7 @@ from ..mods import NONE
 from .intrinsics import device_function, ex2, ex2_fma, group_max, group_sum, tanh_approx
 from . import key_tiles
 from .fragments import fill, lane_row
-from .mods import alibi_side, modifiers
+from .mods import alibi_columns_offset, alibi_columns_side, alibi_columns_units, alibi_side, modifiers
 
 ZERO, ONE, NEG_INF, LN2 = np.float32(0), np.float32(1), np.float32(-np.inf), np.float32(math.log(2.0))
 LOG2E = np.float32(math.log2(math.e))
@@ -78,10 +78,12 @@ def fma_chunk(j, NT, fma_chunks):
     return (j + 1) * fma_chunks // NT > j * fma_chunks // NT
 
 
-def steps(M, NT, DT, mods=NONE, fma_chunks=0):
+def steps(M, NT, DT, mods=NONE, fma_chunks=0, alibi_columns=False):
     """``(start, mask, online_softmax, rescale_o, finish, write_lse)`` for ``M`` m-tiles of ``8 NT`` keys and ``8 DT``
     output columns, with the modifications ``mods`` (`numbaflash.mods.Mods`); ``fma_chunks`` of each row's ``NT``
-    8-key chunks take their exponentials from `ex2_fma` on the FMA pipe, the rest from ex2."""
+    8-key chunks take their exponentials from `ex2_fma` on the FMA pipe, the rest from ex2. ``alibi_columns``: the
+    kernel's tensor cores add ALiBi alone's column term to the scores of tiles on one side of a warpgroup's
+    diagonal (`wgmma.alibi_columns`), which then stay in the units of `kernels.mods.alibi_columns_units`."""
     M_ROWS = 2 * M
     modifier = modifiers(mods, types.float32, fast=True)
     MODIFIED, MASKED, logit, visible = modifier.modified, modifier.masked, modifier.logit, modifier.visible
@@ -91,6 +93,8 @@ def steps(M, NT, DT, mods=NONE, fma_chunks=0):
     # multiplications per score fewer (its forward at headdim 128 ran 3% faster, H200)
     CAPPED = mods.softcap_alone
     ALIBI_ALONE = mods.alibi_alone  # its tiles on one side of a warp's diagonal: `kernels.mods.alibi_side`
+    COLUMNS = ALIBI_ALONE and alibi_columns  # one side of a warpgroup's diagonal: columns from the tensor cores
+    PARITY_SHIFT = ALIBI_ALONE and not COLUMNS  # a row term per column parity (`modify`); one per row with COLUMNS
     BITS = mods.block_sparse  # a block mask keeps the mask_mod's verdicts on partial tiles as bits
     verdict_word = key_tiles.verdict_word(mods)
 
@@ -100,6 +104,8 @@ def steps(M, NT, DT, mods=NONE, fma_chunks=0):
         natural-log scores `mask` leaves with modifications (cap * log2(e) for softcap's tanh alone)."""
         if CAPPED:
             return cap_of(bh)[0] * LOG2E
+        if COLUMNS:
+            return alibi_columns_units(scale, slope_of(bh))[0] * LOG2E
         return LOG2E if MODIFIED else scale
 
     @device_function
@@ -110,8 +116,41 @@ def steps(M, NT, DT, mods=NONE, fma_chunks=0):
             l_i[r] = ZERO
 
     @device_function
-    def modify(s, shift, b, h, warp_row, g, t, n_start, seqlen_q, seqlen_k, scale, bh):
+    def bias_scores(s, rows, g, t, sigma, gamma):
+        for r in range(M_ROWS):
+            mi, half = r // 2, r % 2
+            distance = rows + types.float32(lane_row(r, g) - 2 * t)  # the lane's first key's
+            for j in range(NT):
+                for e in range(2):
+                    x = s[mi * NT + j, 2 * half + e]
+                    s[mi * NT + j, 2 * half + e] = x * sigma - gamma * abs(distance - types.float32(8 * j + e))
+
+    @device_function
+    def modify_columns(s, shift, warp_row, row_start, g, t, n_start, seqlen_q, seqlen_k, scale, bh):
+        # ALiBi alone with the column term from the tensor cores: scores x / units (`alibi_columns_units`)
+        units, gamma, ok = alibi_columns_units(scale, slope_of(bh))
+        offset = alibi_columns_offset(warp_row, n_start, seqlen_q, seqlen_k)
+        side = alibi_columns_side(offset + types.float32((warp_row - row_start) & 63), 8 * NT)  # the warpgroup's
+        if not ok:  # the column operands hold zeros: every tile's bias per score, in natural units
+            side = 0
+        rows = -offset  # the warp's first row's distance from the tile's first key
+        if side != 0:
+            # the tensor cores added -gamma side c to column c's scores; the row term gamma side (row + seqlen_k -
+            # seqlen_q - n_start) joins the row's maxima and exponents
+            for r in range(M_ROWS):
+                shift[r, 0] = gamma * types.float32(side) * (rows + types.float32(lane_row(r, g)))
+            return
+        # a tile across the diagonal: each score's bias, in units of scale (else natural ones)
+        for r in range(M_ROWS):
+            shift[r, 0] = ZERO
+        bias_scores(s, rows, g, t, ONE if ok else scale, gamma)
+
+    @device_function
+    def modify(s, shift, b, h, warp_row, row_start, g, t, n_start, seqlen_q, seqlen_k, scale, bh):
         # Every score modified, without a branch per score: each index in bounds, or no user function reads it.
+        if COLUMNS:
+            modify_columns(s, shift, warp_row, row_start, g, t, n_start, seqlen_q, seqlen_k, scale, bh)
+            return
         if CAPPED:
             capped = scale * cap_of(bh)[1]
             for j in range(M * NT):
@@ -154,13 +193,13 @@ def steps(M, NT, DT, mods=NONE, fma_chunks=0):
                                              right):
             if not USER_SCORES or warp_row + 16 * M <= seqlen_q:  # no user function sees a row past the sequence
                 if MODIFIED:
-                    modify(s, shift, b, h, warp_row, g, t, n_start, seqlen_q, seqlen_k, scale, bh)
+                    modify(s, shift, b, h, warp_row, row_start, g, t, n_start, seqlen_q, seqlen_k, scale, bh)
                 return
         # The built-in modifications read no memory: every score is modified, then the hidden ones are set to
         # -inf. Modified inside the tests below (a test per score), their code kept 140-308 bytes of local
         # memory in three consumers at headdim 64 (ptxas 13.0); the user's score_mod sees only visible scores.
         if MODIFIED and not USER_SCORES:
-            modify(s, shift, b, h, warp_row, g, t, n_start, seqlen_q, seqlen_k, scale, bh)
+            modify(s, shift, b, h, warp_row, row_start, g, t, n_start, seqlen_q, seqlen_k, scale, bh)
         if BITS and masked:
             # The block mask's bits already hold the causal/window mask and the sequences' ends (a key range per
             # row beside them kept 48 bytes of local memory in three consumers at headdim 64).
@@ -213,10 +252,13 @@ def steps(M, NT, DT, mods=NONE, fma_chunks=0):
                 for e in range(4):
                     if s[j, e] != NEG_INF:  # hidden scores stay hidden (-inf x 0 would be NaN)
                         s[j, e] *= sign
+            if COLUMNS:  # negative units: the row terms turn with the scores
+                for r in range(M_ROWS):
+                    shift[r, 0] *= sign
             scale_log2 = effective_scale(scale_log2)
         for r in range(M_ROWS):
             mi, half = r // 2, r % 2
-            if ALIBI_ALONE:  # a row's scores of each column parity, plus that parity's `shift`
+            if PARITY_SHIFT:  # a row's scores of each column parity, plus that parity's `shift`
                 even, odd = s[mi * NT, 2 * half], s[mi * NT, 2 * half + 1]
                 for j in range(mi * NT, mi * NT + NT):
                     even, odd = max(even, s[j, 2 * half]), max(odd, s[j, 2 * half + 1])
@@ -225,6 +267,8 @@ def steps(M, NT, DT, mods=NONE, fma_chunks=0):
                 row_max = s[mi * NT, 2 * half]
                 for j in range(mi * NT, mi * NT + NT):
                     row_max = max(row_max, max(s[j, 2 * half], s[j, 2 * half + 1]))
+                if COLUMNS:
+                    row_max += shift[r, 0]
             m_tile = max(m_i[r], group_max(row_max, 4))
             # The maximum moves only past RESCALE_LOG2: +inf at a row's first visible key, NaN (no move) while it has
             # seen only hidden ones, whose m = -inf is exponentiated against 0.
@@ -235,8 +279,10 @@ def steps(M, NT, DT, mods=NONE, fma_chunks=0):
                 alpha[r] = ONE
             base = m_i[r] * scale_log2 if m_i[r] != NEG_INF else ZERO
             even_base, odd_base = base, base
-            if ALIBI_ALONE:
+            if PARITY_SHIFT:
                 even_base, odd_base = base - shift[r, 0] * scale_log2, base - shift[r, 1] * scale_log2
+            elif COLUMNS:
+                even_base = odd_base = base - shift[r, 0] * scale_log2
             row_sum = ZERO
             for j in range(mi * NT, mi * NT + NT):
                 for e in range(2):

@@ -23,6 +23,9 @@ def _group(value, width):
 def group_max(value, width):
     return max(_group(value, width))
 
+def warp_uniform(value):
+    return value  # every lane passes the same value, and the simulator has no uniform registers
+
 def group_sum(value, width):
     # The butterfly's order of additions, so the simulator rounds exactly as the GPU does.
     values = _group(value, width)

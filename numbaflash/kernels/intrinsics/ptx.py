@@ -29,6 +29,10 @@ def group_sum(value, width):
         offset //= 2
     return value
 
+@device_function
+def warp_uniform(value):
+    return cuda.shfl_sync(0xFFFFFFFF, value, 0)
+
 def _element_pointer(context, builder, aryty, ary_value, index_value, index_type):
     ary = context.make_array(aryty)(context, builder, ary_value)
     if isinstance(index_type, types.BaseTuple):

@@ -42,14 +42,14 @@ from ...mods import NONE
 from ..blocks import TENSOR_CORE_FORWARD, query_block, write_hidden_rows
 from ..intrinsics import (cp_async_mbarrier_arrive, cp_async_wait_all, device_function, fence_proxy_async,
                          mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, named_barrier_arrive,
-                         named_barrier_sync, shared_address, tensormap_acquire, wgmma_commit, wgmma_fence,
-                         wgmma_wait0, wgmma_wait1)
+                         named_barrier_sync, shared_address, tensormap_acquire, warp_uniform, wgmma_commit,
+                         wgmma_fence, wgmma_wait0, wgmma_wait1)
 from ..fragments import fragment_writer
 from ..key_tiles import key_tiles, tile_order, verdict_slot
-from ..mods import kernel_type, modifiers
+from ..mods import alibi_columns_units, alibi_side, kernel_type, modifiers
 from ..sequences import sequence_starts, sequences
 from ..softmax import steps
-from . import tensor_maps
+from . import alibi_columns, tensor_maps
 from .forward import layout
 from .pipeline import BARRIER_ELEMENTS, PRODUCER, bulk_copier, hand_over, register_moves, release, tail_zeroer, wait
 from .tiles import ALIGN, advance, aligned_base, descriptors, pack_p, products, stager
@@ -71,9 +71,15 @@ def barriers(tiles):
     return 1 + 4 * tiles.stages + 1
 
 
+def columns_elements(tiles):
+    """16-bit elements of ALiBi's column operands after v3's tiles (``tiles.alibi_columns``), else 0."""
+    return alibi_columns.elements(tiles.block_n) if tiles.alibi_columns else 0
+
+
 def smem_bytes(D, tiles):
-    """Dynamic shared memory of a block: v3's tiles, the mbarriers, and room to align them."""
-    return 2 * layout(D, tiles)[-1] + 8 * barriers(tiles) + ALIGN
+    """Dynamic shared memory of a block: v3's tiles, ALiBi's column operands, the mbarriers, and room to align
+    them."""
+    return 2 * (layout(D, tiles)[-1] + columns_elements(tiles)) + 8 * barriers(tiles) + ALIGN
 
 
 def build(D, tiles, storage, mods=NONE):
@@ -81,7 +87,8 @@ def build(D, tiles, storage, mods=NONE):
     BLOCK_M, BLOCK_N, CONSUMERS, STAGES = tiles.block_m, tiles.block_n, tiles.warpgroups, tiles.stages
     THREADS = PRODUCER + 128 * CONSUMERS
     NT, DT, PS = BLOCK_N // 8, D // 8, BLOCK_N // 16
-    Q_AT, K_AT, V_AT, BAR_AT = layout(D, tiles)
+    Q_AT, K_AT, V_AT, COLUMNS_AT = layout(D, tiles)
+    BAR_AT = COLUMNS_AT + columns_elements(tiles)
     Q_FULL, K_FULL, V_FULL = BAR_AT, BAR_AT + BARRIER_ELEMENTS, BAR_AT + (1 + STAGES) * BARRIER_ELEMENTS
     K_EMPTY, V_EMPTY = BAR_AT + (1 + 2 * STAGES) * BARRIER_ELEMENTS, BAR_AT + (1 + 3 * STAGES) * BARRIER_ELEMENTS
     V_TAIL = BAR_AT + (1 + 4 * STAGES) * BARRIER_ELEMENTS
@@ -94,10 +101,13 @@ def build(D, tiles, storage, mods=NONE):
     zero_rows = tail_zeroer(D)
     FULL_ARRIVALS = 1 if TMA else PRODUCER  # one thread issues the bulk copies; every copier arrives otherwise
     stage_q, stage_kv = stager(D, BLOCK_M, PRODUCER), stager(D, BLOCK_N, PRODUCER)
-    scores, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage)
+    scores, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage, onto=True)
     pack = pack_p(BLOCK_N, storage)
-    prepare = modifiers(mods, types.float32, fast=True).prepare
-    start, mask, online_softmax, rescale_o, finish, write_lse = steps(1, NT, DT, mods, tiles.exp2_fma)
+    modifier = modifiers(mods, types.float32, fast=True)
+    prepare, slope_of = modifier.prepare, modifier.slope
+    COLUMNS = tiles.alibi_columns and mods.alibi_alone  # ALiBi's column term from the tensor cores
+    fill_columns, add_columns = alibi_columns.column_bias(BLOCK_N)
+    start, mask, online_softmax, rescale_o, finish, write_lse = steps(1, NT, DT, mods, tiles.exp2_fma, COLUMNS)
     tile_count, tile_start, tile_full = key_tiles(mods, BLOCK_M, BLOCK_N)
     tile_slot = verdict_slot(mods, BLOCK_M)
     order = tile_order(mods, BLOCK_M, BLOCK_N)
@@ -204,6 +214,23 @@ def build(D, tiles, storage, mods=NONE):
             fence_proxy_async()
 
     @device_function
+    def tile_scores(s, smem, q_desc, k_desc, stage, side):
+        # S = Q K_stage^T, onto ALiBi's column term on a tile on one side of the warpgroup's diagonal (zeros on one
+        # across it). The column
+        # operands' descriptor comes from K's (kept in registers, it spilled 12 bytes in three consumers at 64).
+        if COLUMNS:
+            add_columns(s, smem, advance(k_desc, 2 * (COLUMNS_AT - K_AT)), side)
+        scores(s, smem, q_desc, advance(k_desc, 2 * stage * TILE_N), 1 if COLUMNS else 0)
+
+    @device_function
+    def side_of(wg_row, n_start, seqlen_q, seqlen_k):
+        # The tile's side whatever the units: where the softmax cannot take them (`alibi_columns_units`' ok), the
+        # column operands hold zeros (a predicate of it live through the loop spilled 8 bytes in three consumers at
+        # 64). Integer comparisons with the block's constants, as the products wait for it: from the float offset
+        # the softmax takes (`kernels.mods.alibi_columns_side`), its conversion queued behind the exponentials.
+        return alibi_side(wg_row, wg_row + 64, n_start, n_start + BLOCK_N, seqlen_q - seqlen_k) if COLUMNS else 0
+
+    @device_function
     def softmax_scores(s, m_i, l_i, alpha, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k,
                        left, right, scale_log2, bh, block_full, mod, slot):
         shift = cuda.local.array((2, 2), types.float32)  # ALiBi's row terms (`softmax`)
@@ -242,6 +269,10 @@ def build(D, tiles, storage, mods=NONE):
                 mbarrier_init(smem, base + V_FULL + s * BARRIER_ELEMENTS, FULL_ARRIVALS)
                 mbarrier_init(smem, base + K_EMPTY + s * BARRIER_ELEMENTS, CONSUMERS)
                 mbarrier_init(smem, base + V_EMPTY + s * BARRIER_ELEMENTS, CONSUMERS)
+        if COLUMNS:
+            _, gamma, columns_ok = alibi_columns_units(scale_log2, slope_of(bh))
+            fill_columns(words, base + COLUMNS_AT, gamma if columns_ok else types.float32(0), tid, THREADS)
+            fence_proxy_async()  # written through the generic proxy, read by wgmma through the async one
         cuda.syncthreads()
 
         if tid < PRODUCER:
@@ -251,7 +282,9 @@ def build(D, tiles, storage, mods=NONE):
         else:
             take_registers()
             ctid = tid - PRODUCER
-            wg, warp, lane = ctid // 128, (ctid % 128) // 32, ctid % 32
+            # the warpgroup as a uniform value: the column term's side and descriptor, which the products wait for,
+            # then come from uniform registers (from per-thread ones, each tile's wgmma waited for their moves)
+            wg, warp, lane = warp_uniform(ctid // 128), (ctid % 128) // 32, ctid % 32
             g, t = lane >> 2, lane & 3
             q_desc, k_desc, v_desc = descriptors(shared_address(smem, base), Q_AT, K_AT, V_AT, BLOCK_N, wg)
 
@@ -277,8 +310,9 @@ def build(D, tiles, storage, mods=NONE):
             wait(smem, base + Q_FULL, 0)
             take(smem, base, K_FULL, 0)
             my_turn(wg)
+            side = side_of(row_start + wg * 64, n_start, seqlen_q, seqlen_k)
             wgmma_fence()
-            scores(s, smem, q_desc, k_desc)
+            tile_scores(s, smem, q_desc, k_desc, 0, side)
             wgmma_commit()
             next_turn(wg, 0, ntiles)
             wgmma_wait0()
@@ -293,11 +327,12 @@ def build(D, tiles, storage, mods=NONE):
                 tile = order(it, row_start, n_base, ntiles, seqlen_q, seqlen_k)
                 n_start, full, slot = (tile_start(mod, b, h, row_start, n_base, tile),
                                        tile_full(mod, b, h, row_start, tile), tile_slot(mod, b, h, row_start, tile))
+                side = side_of(row_start + wg * 64, n_start, seqlen_q, seqlen_k)
                 take(smem, base, K_FULL, it)
                 take(smem, base, V_FULL, it - 1)
                 my_turn(wg)
                 wgmma_fence()  # S, P and O were last written by ordinary instructions
-                scores(s, smem, q_desc, advance(k_desc, 2 * (it % STAGES) * TILE_N))
+                tile_scores(s, smem, q_desc, k_desc, it % STAGES, side)
                 wgmma_commit()
                 accumulate(acc, p, smem, advance(v_desc, 2 * ((it - 1) % STAGES) * TILE_N))
                 wgmma_commit()
