@@ -78,7 +78,8 @@ class Mods:
     @property
     def alibi_alone(self):
         """ALiBi without softcap or a score_mod: on a tile wholly on one side of a warp's diagonal the kernels form
-        each score's bias from a row term and a column term (`kernels.mods.alibi_side`)."""
+        each score's bias from a row term and a column term (`kernels.mods.alibi_side`); v5's forward at headdim 64
+        takes the column term from the tensor cores (`kernels.wgmma.alibi_columns`)."""
         return self.alibi and not self.softcap and self.score_mod is None
 
     @property

@@ -279,7 +279,9 @@ WGMMA_USER_FUNCTION_TILES = {64: WgmmaTiles(128, 128, 2, producer=True, tma=True
 # 1.39x and 1.37x with 3, 1.40x and 1.38x with 4: 2 (it was 4).
 WGMMA_SOFTCAP_TILES = {64: dataclasses.replace(WGMMA_TILES[64], exp2_fma=2)}
 # ALiBi alone at headdim 64 takes a one-sided tile's column term from one more wgmma k-step (`wgmma.alibi_columns`):
-# its per-score FFMA and per-tile column products and conversions had made its forward 1.12-1.16x the plain one's.
+# its per-score FFMA and per-tile column products and conversions had made its forward 1.09-1.12x the plain one's
+# (1.13-1.18x causal), 1.08-1.11x (1.07-1.10x) with it and `key_tiles.tile_order`'s order (H100 and H200, fp16,
+# N = 16384, 16 heads, .bench/alibi_ab.py). At 128 a first build ran 1-3% slower than without (H100).
 # Packed sequences keep the per-score bias: with the column operands v5's packed forward at 64 spills 124 bytes
 # (64 without; ptxas 13.0).
 WGMMA_ALIBI_TILES = {64: dataclasses.replace(WGMMA_TILES[64], alibi_columns=True)}

@@ -19,7 +19,10 @@ whole arrays), after ``start(acc, m_i, l_i)``, which sets a block's output to 0,
   scores ``logit(scale * s)`` (without a branch per score on a tile the mask leaves whole), and the steps
   after it take log2(e) as their scale. With ALiBi alone every tile is modified (whole or not) and sets
   ``shift`` (``(2 M, 2)``, by fragment row and column parity): on a tile wholly on one side of a warp's
-  diagonal each score's row term, kept apart from it; 0 on a tile the diagonal crosses.
+  diagonal each score's row term, kept apart from it; 0 on a tile the diagonal crosses. With ``alibi_columns``
+  (v5, whose tensor cores add a one-sided tile's column term: `wgmma.alibi_columns`) the scores stay in units of
+  softmax_scale (`kernels.mods.alibi_columns_units`), the side is the warpgroup's, and ``shift[:, 0]`` holds
+  each row's term: a one-sided tile's scores take no instruction here.
 * ``online_softmax(s, shift, m_i, l_i, alpha, scale_log2)``: new running maxima ``m_i``, the factor ``alpha``
   by which earlier sums and outputs shrink, ``s`` exponentiated in place (``P``), and the running sums
   ``l_i`` (a lane's partial sum; the quad adds them at the end). A row's maximum moves only where the tile's

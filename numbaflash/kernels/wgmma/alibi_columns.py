@@ -13,10 +13,12 @@ of their own, where each took an FFMA (``s * scale - slope side 8 j``) beside a 
 int64-to-float conversions. A tile across the diagonal keeps its per-score bias, B's k-step then overwritten
 by Q K^T's first (wgmma's scale-d).
 
-Measured before building it (H100, fp16, headdim 64, N = 16384, 16 heads, stream timing, three paired runs,
-``.bench/alibi_ab.py``): with the per-score FFMA and column products dropped and a bfloat16 k-step added (a
-stand-in with wrong numbers) ALiBi's forward ran 1.05-1.06x the plain one's time against 1.12-1.13x, causal
-1.08-1.11x against 1.14-1.15x.
+Measured (fp16, headdim 64, N = 16384, 16 heads, stream timing, three paired runs, ``.bench/alibi_ab.py``;
+ALiBi's forward over the plain one's): a stand-in with wrong numbers (no per-score work, a k-step of Q and K)
+1.05-1.06x against 1.12-1.13x on the H100, which decided it; built, 1.05-1.09x against 1.10-1.12x (H100), and
+with `key_tiles.tile_order`'s order 1.08-1.10x against 1.12x, causal 1.08-1.10x against 1.13-1.15x (H200).
+Instructions (ncu, N = 8192): 370.6 M -> 341.4 M, the plain forward's 289 M. At headdim 128 a first build ran
+1-3% slower than without (H100), so `tiling.WGMMA_ALIBI_TILES` keeps it to 64.
 """
 
 import numpy as np

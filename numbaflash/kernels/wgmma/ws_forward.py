@@ -30,6 +30,9 @@ last consumer's first arrival lets the first go; its last arrival is left out, s
 it (a barrier left half-arrived at exit). Every consumer of a block visits the same key tiles, so their
 turns pair up.
 
+With ALiBi alone and ``tiles.alibi_columns`` each tile's S starts from ALiBi's column term, one more bfloat16
+k-step whose operands the block writes into shared memory once (`alibi_columns`).
+
 Packed (varlen) sequences run v5 (not v4): the tensor maps span the packed operands, a block's copies start at
 its sequence's rows (`sequences.sequence_starts`), and the last V tile of a sequence that ends inside it has
 the next sequence's rows zeroed by the producer's first warp before the consumers take it
