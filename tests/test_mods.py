@@ -247,6 +247,27 @@ def test_alibi_columns_from_the_tensor_cores(name, arrays, poisoned):
     check_forward(case, lambda *a, **kw: numbaflash.attention(*a, plan=plan, **kw), *arrays)
 
 
+def test_the_softmax_and_the_kernel_find_the_same_side_of_the_diagonal():
+    """v5's kernel picks a tile's column term by `kernels.mods.alibi_side` of its warpgroup's rows, each warp's
+    softmax by `kernels.mods.alibi_columns_side` of a float offset from its own rows: both agree, at the edges of
+    the three sides and past 2^24, where the offset rounds."""
+    from numbaflash.kernels import mods as kernel_mods
+
+    rng = np.random.default_rng(5)
+    for _ in range(4000):
+        block_n = int(rng.choice([16, 96, 128]))
+        seqlen_q, seqlen_k = (int(x) for x in rng.integers(1, 2 ** int(rng.choice([8, 26, 31])), 2))
+        wg_row = int(rng.integers(0, seqlen_q)) // 64 * 64
+        diagonal = wg_row + seqlen_k - seqlen_q
+        n_start = max(0, diagonal + int(rng.integers(-2 * block_n, 2 * block_n)) if rng.random() < 0.8
+                      else int(rng.integers(0, seqlen_k)))
+        warp = 16 * int(rng.integers(0, 4))
+        offset = kernel_mods.alibi_columns_offset(wg_row + warp, n_start, seqlen_q, seqlen_k)
+        side = kernel_mods.alibi_columns_side(np.float32(offset + np.float32(warp)), block_n)
+        assert side == kernel_mods.alibi_side(wg_row, wg_row + 64, n_start, n_start + block_n, seqlen_q - seqlen_k), (
+            wg_row, warp, n_start, seqlen_q, seqlen_k, block_n)
+
+
 @pytest.mark.parametrize("seqlen_q, seqlen_k, block_m, block_n, causal, window", [
     (40, 70, 64, 16, False, (-1, -1)), (16384, 16384, 192, 96, False, (-1, -1)), (1000, 300, 128, 128, True, (-1, -1)),
     (300, 1000, 64, 16, False, (50, 20))])

@@ -74,7 +74,7 @@ def alibi_columns_units(scale, slope):
     column term (`wgmma.alibi_columns`): scores are natural-log scores over ``units``, ``gamma = slope / units``
     the bias per key in those units. ``ok``: |slope / scale| is below 2^64, so the tensor cores take one-sided
     tiles' columns in units of ``scale``; else (``scale`` 0, or a slope 2^64 times it) every tile's bias is
-    formed per score in natural units (units 1), and `alibi_columns_side` is 0."""
+    formed per score in natural units (units 1), and the column operands hold zeros."""
     # without a branch, so that a kernel's loop hoists the division
     gamma = slope / (scale if scale != 0 else types.float32(1))
     ok = scale != 0 and abs(gamma) < _GAMMA_LIMIT  # False for NaN
