@@ -131,7 +131,7 @@ def steps(M, NT, DT, mods=NONE, fma_chunks=0, alibi_columns=False):
     @device_function
     def modify_columns(s, shift, warp_row, row_start, g, t, n_start, seqlen_q, seqlen_k, scale, bh):
         # ALiBi alone with the column term from the tensor cores: scores x / units (`alibi_columns_units`)
-        units, gamma, ok = alibi_columns_units(scale, slope_of(bh))
+        _, gamma, ok = alibi_columns_units(scale, slope_of(bh))
         offset = alibi_columns_offset(warp_row, n_start, seqlen_q, seqlen_k)
         side = alibi_columns_side(offset + types.float32((warp_row - row_start) & 63), 8 * NT)  # the warpgroup's
         if not ok:  # the column operands hold zeros: every tile's bias per score, in natural units

@@ -10,8 +10,8 @@ truncation), and, 16 columns on, those of +gamma c: the tile's side picks one by
 then in units of softmax_scale (gamma = slope / softmax_scale, `kernels.mods.alibi_columns_units`), so the
 softmax's exponent FMA scales them as the plain kernel's does: a one-sided tile's scores take no instruction
 of their own, where each took an FFMA (``s * scale - slope side 8 j``) beside a tile's column products and
-int64-to-float conversions. A tile across the diagonal keeps its per-score bias, B's k-step then overwritten
-by Q K^T's first (wgmma's scale-d).
+int64-to-float conversions. A tile across the diagonal keeps its per-score bias: its descriptor picks B's third
+k-step, zeros (a first Q K^T k-step that overwrote S where a predicate said so cost 1.5%, ncu, H100).
 
 Measured (fp16, headdim 64, N = 16384, 16 heads, stream timing, three paired runs, ``.bench/alibi_ab.py``;
 ALiBi's forward over the plain one's): a stand-in with wrong numbers (no per-score work, a k-step of Q and K)
@@ -57,8 +57,7 @@ def column_bias(BLOCK_N):
       8-byte words; the caller fences them for the async proxy before a barrier;
     * ``add(s, smem, desc, side)``: the warpgroup's 64 x ``BLOCK_N`` scores overwritten with side's column term
       (``side`` -1 reads B's second k-step, 0 its third, zeros), ``desc`` a K-major descriptor of A
-      (`tiles.operand`; B follows it); the caller then adds Q K^T onto them (`tiles.products`' ``onto``: a
-      product's scale-d from a predicate instead took the v5 forward 1.5% longer, ncu, H100)."""
+      (`tiles.operand`; B follows it); the caller then adds Q K^T onto them (`tiles.products`' ``onto``)."""
     CHUNKS = 3 * K_STEP // 8  # 16-byte chunks of a row that the three k-steps read
     ROWS = 64 + BLOCK_N  # A's, then B's
     step = wgmma_ss(BLOCK_N, "bfloat16", fresh=True)
@@ -85,7 +84,8 @@ def column_bias(BLOCK_N):
     @device_function
     def add(s, smem, desc, side):
         # A K-major descriptor's fields but the address are the same for any rows (`tiles.operand`): B's is A's
-        # moved past A's atom.
-        step(s, smem, desc, advance(desc, 2 * 64 * ATOM + 2 * K_STEP * (1 if side < 0 else 0 if side > 0 else 2)), 0)
+        # moved past A's atom, and then to the side's k-step (+1: -gamma c, -1: +gamma c, 0: zeros).
+        k_step = 0 if side > 0 else 1 if side < 0 else 2
+        step(s, smem, desc, advance(desc, 2 * 64 * ATOM + 2 * K_STEP * k_step), 0)
 
     return fill, add

@@ -103,18 +103,17 @@ def products(N, D, A_ROWS, B_ROWS, storage, fresh=False, onto=False):
     tile by the ``N`` rows of a ``B_ROWS``-row tile (both of head dim D); ``accumulate`` adds ``P B`` for P
     (64 x N, in registers) and the N x D tile B. Descriptors point at the first row (of the warpgroup's
     rows, for A) of the tile's first atom. ``fresh``: the scores' old values are no input of their first
-    k-step (`wgmma_ss`), so a loop does not carry them from one tile to the next. ``onto``: ``scores(s, smem,
-    a_desc, b_desc, keep)`` adds the product onto ``s`` where ``keep`` is nonzero (a term an earlier wgmma of
-    the same group wrote: `alibi_columns`) and overwrites it where 0."""
+    k-step (`wgmma_ss`), so a loop does not carry them from one tile to the next. ``onto``: the first k-step adds
+    onto ``s`` too (a term an earlier wgmma of the same group wrote: `alibi_columns`)."""
     KS, PS = D // 16, N // 16
-    FRESH = fresh
+    FRESH, FIRST_ADDS = fresh, int(onto)
     first, ss, rs = wgmma_ss(N, storage, fresh=True), wgmma_ss(N, storage), wgmma_rs(D, storage)
     ATOM_A, ATOM_B, K_STEP = A_ROWS * ATOM * 2, B_ROWS * ATOM * 2, 32  # bytes
 
     @device_function
-    def scores_onto(s, smem, a_desc, b_desc, keep):
+    def scores(s, smem, a_desc, b_desc):
         # s: (N / 8, 4) fragments. A k-step is 16 columns (32 bytes) of an atom; 4 k-steps fill one; the
-        # first overwrites s unless ``keep`` (a flag of 0 turns accumulation off). One loop over every k-step:
+        # first overwrites s unless ``onto`` (a flag of 0 turns accumulation off). One loop over every k-step:
         # the v5 forward at headdim 256 with the first issued before a loop over the rest kept that loop (15
         # k-steps) rolled, and ptxas waited for each product (24 wgmma waits, half the speed: H200).
         for kk in range(KS):
@@ -123,11 +122,7 @@ def products(N, D, A_ROWS, B_ROWS, storage, fresh=False, onto=False):
                 first(s, smem, a_desc, b_desc, 0)
             else:
                 ss(s, smem, advance(a_desc, step), advance(b_desc, (kk // 4) * ATOM_B + (kk % 4) * K_STEP),
-                   kk if kk != 0 else keep)
-
-    @device_function
-    def scores(s, smem, a_desc, b_desc):
-        scores_onto(s, smem, a_desc, b_desc, 0)
+                   kk if kk != 0 else FIRST_ADDS)
 
     @device_function
     def accumulate(acc, p, smem, b_desc):
@@ -135,7 +130,7 @@ def products(N, D, A_ROWS, B_ROWS, storage, fresh=False, onto=False):
         for ks in range(PS):
             rs(acc, p[ks, 0], p[ks, 1], p[ks, 2], p[ks, 3], smem, advance(b_desc, ks * 16 * ATOM * 2))
 
-    return scores_onto if onto else scores, accumulate
+    return scores, accumulate
 
 
 def pack_p(N, storage):

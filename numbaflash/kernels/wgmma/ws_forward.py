@@ -104,11 +104,11 @@ def build(D, tiles, storage, mods=NONE):
     zero_rows = tail_zeroer(D)
     FULL_ARRIVALS = 1 if TMA else PRODUCER  # one thread issues the bulk copies; every copier arrives otherwise
     stage_q, stage_kv = stager(D, BLOCK_M, PRODUCER), stager(D, BLOCK_N, PRODUCER)
-    scores, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage, onto=True)
+    COLUMNS = tiles.alibi_columns and mods.alibi_alone  # ALiBi's column term from the tensor cores
+    scores, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage, onto=COLUMNS)
     pack = pack_p(BLOCK_N, storage)
     modifier = modifiers(mods, types.float32, fast=True)
     prepare, slope_of = modifier.prepare, modifier.slope
-    COLUMNS = tiles.alibi_columns and mods.alibi_alone  # ALiBi's column term from the tensor cores
     fill_columns, add_columns = alibi_columns.column_bias(BLOCK_N)
     start, mask, online_softmax, rescale_o, finish, write_lse = steps(1, NT, DT, mods, tiles.exp2_fma, COLUMNS)
     tile_count, tile_start, tile_full = key_tiles(mods, BLOCK_M, BLOCK_N)
@@ -219,11 +219,11 @@ def build(D, tiles, storage, mods=NONE):
     @device_function
     def tile_scores(s, smem, q_desc, k_desc, stage, side):
         # S = Q K_stage^T, onto ALiBi's column term on a tile on one side of the warpgroup's diagonal (zeros on one
-        # across it). The column
-        # operands' descriptor comes from K's (kept in registers, it spilled 12 bytes in three consumers at 64).
+        # across it). The column operands' descriptor comes from K's (kept in registers, it spilled 12 bytes in
+        # three consumers at 64).
         if COLUMNS:
             add_columns(s, smem, advance(k_desc, 2 * (COLUMNS_AT - K_AT)), side)
-        scores(s, smem, q_desc, advance(k_desc, 2 * stage * TILE_N), 1 if COLUMNS else 0)
+        scores(s, smem, q_desc, advance(k_desc, 2 * stage * TILE_N))
 
     @device_function
     def side_of(wg_row, n_start, seqlen_q, seqlen_k):
