@@ -120,7 +120,8 @@ class WgmmaTiles:
     multiprocessor (2: each gets half its registers and shared memory, so one block's start and end run under
     the other's tiles; `wgmma.pipeline.register_moves`); with ``alibi_columns`` (v5) a call with ALiBi alone
     (`numbaflash.mods.Mods.alibi_alone`) takes each one-sided tile's column term from one more wgmma k-step
-    (`wgmma.alibi_columns`), other calls ignore it."""
+    (`wgmma.alibi_columns`), other calls ignore it; with ``row_sums`` (v5) the tensor cores sum each row's P
+    beside P V (`wgmma.row_sums`) instead of the softmax's adds."""
 
     block_m: int
     block_n: int
@@ -132,6 +133,7 @@ class WgmmaTiles:
     exp2_fma: int = 0
     blocks_per_sm: int = 1
     alibi_columns: bool = False
+    row_sums: bool = False
 
     def __post_init__(self):
         if self.block_m != 64 * self.warpgroups:
@@ -152,6 +154,8 @@ class WgmmaTiles:
                              f"(blocks_per_sm 1 or 2); got {self}")
         if self.alibi_columns and not self.tma:
             raise ValueError(f"ALiBi's column term from the tensor cores (alibi_columns) is v5's (tma=True); got {self}")
+        if self.row_sums and not self.tma:
+            raise ValueError(f"row sums from the tensor cores (row_sums) are v5's (tma=True); got {self}")
 
     @property
     def threads(self):
@@ -277,14 +281,20 @@ WGMMA_USER_FUNCTION_TILES = {64: WgmmaTiles(128, 128, 2, producer=True, tma=True
 # 128 blocks 1.38-1.39x); at 128 1.15x with none, 1.17-1.18x with 2, 4 or 6 of 16. Three runs of each on the H100
 # (2026-11-26, .bench/cap_ab.py, non-causal then causal, means): 1.38x and 1.37x with none, 1.38x and 1.34x with 2,
 # 1.39x and 1.37x with 3, 1.40x and 1.38x with 4: 2 (it was 4).
-WGMMA_SOFTCAP_TILES = {64: dataclasses.replace(WGMMA_TILES[64], exp2_fma=2)}
+# Its row sums from the tensor cores (`wgmma.row_sums`, 48 FADDs a warp's tile fewer): 1.40x -> 1.34x, 1.45x -> 1.38x
+# and 1.38x -> 1.32x (causal 1.38x -> 1.34x, 1.38x -> 1.33x, 1.36x -> 1.32x) in three runs (H100, 2026-11-27,
+# .bench/sums_ab.py, .bench/ahead_ab.py); with them 0, 3, 4 or 6 chunks on the FMA pipe ran 1.34x, 1.35x, 1.37x and
+# 1.40x against 2's 1.32x. The plain forward at 64 ran the same with them (2.445 against 2.452 ms); at 128 softcap
+# ran 4-5% slower (1.17x -> 1.22x), ALiBi 6%: the plain kernels keep the softmax's adds.
+WGMMA_SOFTCAP_TILES = {64: dataclasses.replace(WGMMA_TILES[64], exp2_fma=2, row_sums=True)}
 # ALiBi alone at headdim 64 takes a one-sided tile's column term from one more wgmma k-step (`wgmma.alibi_columns`):
 # its per-score FFMA and per-tile column products and conversions had made its forward 1.09-1.12x the plain one's
 # (1.13-1.18x causal), 1.08-1.11x (1.07-1.10x) with it and `key_tiles.tile_order`'s order (H100 and H200, fp16,
 # N = 16384, 16 heads, .bench/alibi_ab.py). At 128 a first build ran 1-3% slower than without (H100).
 # Packed sequences keep the per-score bias: with the column operands v5's packed forward at 64 spills 124 bytes
-# (64 without; ptxas 13.0).
-WGMMA_ALIBI_TILES = {64: dataclasses.replace(WGMMA_TILES[64], alibi_columns=True)}
+# (64 without; ptxas 13.0). Its row sums from the tensor cores (`wgmma.row_sums`): 2.659 -> 2.601 ms (H100,
+# .bench/sums_ab.py).
+WGMMA_ALIBI_TILES = {64: dataclasses.replace(WGMMA_TILES[64], alibi_columns=True, row_sums=True)}
 WGMMA_CP_ASYNC_TILES = {64: WgmmaTiles(128, 112, 2), 128: WgmmaTiles(128, 64, 2)}
 # A block mask's call at headdim 64: blocks of one consumer warpgroup, two per multiprocessor
 # (`WgmmaTiles.blocks_per_sm`). A block costs about 9 microseconds beyond its tiles (H200, v5 forward at headdim
@@ -714,6 +724,8 @@ def _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, s
         elif tiles.alibi_columns:
             copies = ("; ALiBi alone: one more wgmma k-step adds the bias's column term to each key tile on one side "
                       "of a warpgroup's diagonal, whose scores then take no instruction of their own")
+        if tiles.row_sums:
+            copies += "; the tensor cores sum each row's P beside P V (one m64n8 wgmma per k-step), not the softmax"
         cp_async = ("q, k or v has a head dim that is not contiguous, not a multiple of 8 or not 16-byte aligned, "
                     "which the bulk tensor copy engine cannot read" if tiles.tma and not aligned else "")
         if (cp_async or not tiles.producer) and D not in WGMMA_CP_ASYNC_TILES:

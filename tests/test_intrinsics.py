@@ -3,7 +3,7 @@
 import ml_dtypes
 import numpy as np
 import pytest
-from numba import cuda, float32, int32, uint16
+from numba import cuda, float32, int32, uint16, uint64
 
 from numbaflash.kernels.intrinsics import (SIMULATOR, bulk_load, cp_async_16, cp_async_commit, cp_async_mbarrier_arrive,
                                            cp_async_wait_all, device_function, ex2, ex2_fma, group_max, group_sum, ldmatrix_x4,
@@ -288,6 +288,57 @@ def test_wgmma_products_from_swizzled_shared_memory(dtype, N, arrays):
     np.testing.assert_allclose(to_host(out_ss), wide(a) @ wide(b).T, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(to_host(out_rs), wide(p) @ wide(v), rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(to_host(out_mn), wide(a).T @ wide(v), rtol=1e-5, atol=1e-4)
+
+
+def row_sums_kernel(K, storage):
+    """One warpgroup: `wgmma.row_sums` adds P 1 (P 64 x K from registers) into the accumulator block after O's 8
+    columns (``first`` of `wgmma_rs`), over B's ones that its ``fill`` writes; O's block stays as it was."""
+    from numbaflash.kernels.fragments import fill
+    from numbaflash.kernels.intrinsics import fence_proxy_async, shared_address, wgmma_commit, wgmma_fence, wgmma_wait0
+    from numbaflash.kernels.wgmma.row_sums import row_sums
+    from numbaflash.kernels.wgmma.tiles import aligned_base
+
+    fill_ones, descriptor, add = row_sums(8, K, storage)
+
+    @cuda.jit
+    def kernel(p, out_o, out_sums):
+        # p: (128, K / 16, 4) each thread's A words of P; out_o, out_sums: (64, 8)
+        smem = cuda.shared.array(0, uint16)
+        words = cuda.shared.array(0, uint64)
+        tid = cuda.threadIdx.x
+        base = aligned_base(smem)
+        fill_ones(words, base, tid, 128)
+        fence_proxy_async()
+        cuda.syncthreads()
+        acc = cuda.local.array((2, 4), np.float32)
+        fill(acc, 1, 4, np.float32(7))  # O's block: no product of the sums may touch it
+        for e in range(4):
+            acc[1, e] = np.float32(0.5)  # the sums add onto what the accumulators hold
+        wgmma_fence()
+        add(acc, p[tid], smem, descriptor(shared_address(smem, base), 0))
+        wgmma_commit()
+        wgmma_wait0()
+        w, g, t = tid // 32, (tid % 32) // 4, tid % 4
+        for j in range(2):
+            for e in range(4):
+                row, col = 16 * w + g + 8 * (e // 2), 2 * t + e % 2
+                (out_o if j == 0 else out_sums)[row, col] = acc[j, e]
+
+    return kernel
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_row_sums_add_p_times_ones_after_o(dtype, arrays):
+    to_device, to_host = arrays
+    if not SIMULATOR and cuda.get_current_device().compute_capability != (9, 0):
+        pytest.skip("wgmma needs compute capability 9.0")
+    K = 32
+    p = np.random.default_rng(5).uniform(0, 4, (64, K)).astype(HALVES[dtype])
+    out_o, out_sums = (to_device(np.zeros((64, 8), np.float32)) for _ in range(2))
+    row_sums_kernel(K, dtype)[1, 128, 0, 2048 + 1024](to_device(a_words(p)), out_o, out_sums)
+    want = p.astype(np.float64).sum(axis=1, keepdims=True) + 0.5
+    np.testing.assert_allclose(to_host(out_sums), np.broadcast_to(want, (64, 8)), rtol=1e-6)
+    np.testing.assert_array_equal(to_host(out_o), np.full((64, 8), 7, np.float32))
 
 
 @cuda.jit

@@ -12,6 +12,7 @@ float64 reference extended with the same modifications, under flash-attn's toler
   softcap: the backward's chain rule through both.
 """
 
+import dataclasses
 import re
 
 import numpy as np
@@ -244,6 +245,49 @@ def test_alibi_columns_from_the_tensor_cores(name, arrays, poisoned):
                 seed=11, modifications=dict(alibi_slopes=slopes), **spec)
     plan = tiling.make_plan(case.batch, case.nheads, case.nheads_kv, case.seqlen_q, case.seqlen_k, case.headdim,
                             case.dtype, tiles=ALIBI_COLUMNS_TILES)
+    check_forward(case, lambda *a, **kw: numbaflash.attention(*a, plan=plan, **kw), *arrays)
+
+
+# The softmax's row sums from the tensor cores (`wgmma.row_sums`; v5's plans for softcap and ALiBi alone at 64): softcap
+# over keys that grow along the sequence, so rows' maxima move past `kernels.softmax.RESCALE_LOG2` after their first
+# tiles and the sums are rescaled with O, causal with more queries than keys, so the first rows see no key (a sum of
+# exactly 0, LSE -inf); ALiBi with its column term, in bfloat16.
+ROW_SUMS_CASES = {
+    "softcap, causal, growing keys": (Case(1, 90, 70, 2, 1, HEADDIM, "float16", causal=True, logit_scale=8.0, seed=12,
+                                           modifications=dict(softcap=30.0)),
+                                      tiling.WgmmaTiles(128, 16, 2, producer=True, tma=True, pingpong=True, exp2_fma=1,
+                                                        row_sums=True)),
+    "ALiBi columns, causal": (Case(1, 90, 120, 2, 1, HEADDIM, "bfloat16", causal=True, logit_scale=2.0, seed=11,
+                                   modifications=dict(alibi_slopes=np.array([[0.3, 0.05]], np.float32))),
+                              dataclasses.replace(ALIBI_COLUMNS_TILES, row_sums=True)),
+}
+
+
+def growing_keys(case):
+    """`cases.inputs` with key j scaled by 1 + 3 j / seqlen_k."""
+    q, k, v = inputs(case)
+    growth = 1 + 3 * np.arange(case.seqlen_k) / case.seqlen_k
+    return q, (k * growth[None, :, None, None]).astype(k.dtype), v
+
+
+@pytest.mark.parametrize("name", ROW_SUMS_CASES)
+def test_row_sums_from_the_tensor_cores(name, arrays, poisoned, monkeypatch):
+    """v5's forward whose tensor cores sum P beside P V, against the reference: the sums scaled with O where a row's
+    maximum moves, rows that see no key."""
+    import cases
+
+    case, tiles = ROW_SUMS_CASES[name]
+    if "growing" in name:
+        monkeypatch.setattr(cases, "inputs", growing_keys)
+        q, k, _ = growing_keys(case)
+        logits = 30.0 * np.tanh(np.einsum("bqhd,bkd->bhqk", q[:, :, :1].astype(np.float64),
+                                          k[:, :, 0].astype(np.float64))[:, 0] * case.scale / 30.0)
+        visible = reference.visible_mask(case.seqlen_q, case.seqlen_k, causal=True)
+        first_tile = np.where(visible[:, :tiles.block_n], logits[0, :, :tiles.block_n], -np.inf).max(axis=1)
+        moved = np.where(visible, logits[0], -np.inf).max(axis=1) - first_tile
+        assert (moved[np.isfinite(moved)] > 8 * np.log(2)).any()  # some row's maximum moves past the threshold
+    plan = tiling.make_plan(case.batch, case.nheads, case.nheads_kv, case.seqlen_q, case.seqlen_k, case.headdim,
+                            case.dtype, tiles=tiles)
     check_forward(case, lambda *a, **kw: numbaflash.attention(*a, plan=plan, **kw), *arrays)
 
 
@@ -694,7 +738,8 @@ def test_alibi_alone_at_headdim_64_takes_its_column_term_from_the_tensor_cores()
     assert alibi.tiles == tiling.WGMMA_ALIBI_TILES[64] and alibi.tiles.alibi_columns
     assert "ALiBi alone: one more wgmma k-step adds the bias's column term" in alibi.reason
     columns = 2 * (64 + alibi.tiles.block_n) * 64  # bytes of A's and B's swizzle atoms
-    assert alibi.launches[0].smem_bytes == plan(Mods()).launches[0].smem_bytes + columns
+    ones = 2 * 16 * 64  # the row sums' (`test_row_sums_are_planned_where_they_paid`)
+    assert alibi.launches[0].smem_bytes == plan(Mods()).launches[0].smem_bytes + columns + ones
     for other in (plan(Mods(alibi=True, softcap=True)), plan(Mods(alibi=True, score_mod=relative_bias)),
                   plan(Mods(alibi=True, packed=True)), plan(Mods(alibi=True, mask_mod=same_document_causal,
                                                                  block_sparse=True)),
@@ -732,6 +777,24 @@ def test_two_blocks_per_multiprocessor_take_one_consumer_and_half_the_shared_mem
     with pytest.raises(ValueError, match=r"offers 115712 to each of 2 block\(s\) per multiprocessor"):
         tiling.make_plan(1, 8, 8, 2048, 2048, 128, "float16", device=hopper,
                          tiles=tiling.WgmmaTiles(**big, blocks_per_sm=2))
+
+
+def test_row_sums_are_planned_where_they_paid():
+    """softcap alone and ALiBi alone take their row sums from the tensor cores at headdim 64 (`tiling.WGMMA_SOFTCAP_TILES`,
+    `tiling.WGMMA_ALIBI_TILES`) and say so; the plain forward, headdim 128 and the backward keep the softmax's adds.
+    Only v5 has them."""
+    hopper = tiling.Device("H100 (planned)", (9, 0), 132, 227 * 1024)
+
+    def plan(headdim=64, backward=False, **flags):
+        return tiling.make_plan(1, 8, 8, 2048, 2048, headdim, "float16", device=hopper, backward=backward, **flags)
+
+    for summed in (plan(softcap_alone=True), plan(alibi_alone=True)):
+        assert summed.tiles.row_sums and "the tensor cores sum each row's P beside P V" in summed.reason
+    for other in (plan(), plan(headdim=128, softcap_alone=True), plan(headdim=128, alibi_alone=True),
+                  plan(backward=True, softcap_alone=True)):
+        assert not getattr(other.tiles, "row_sums", False) and "sum each row" not in other.reason
+    with pytest.raises(ValueError, match="row_sums.*are v5's"):
+        tiling.WgmmaTiles(64, 16, 1, producer=True, row_sums=True)
 
 
 def test_softcap_alone_at_headdim_64_takes_part_of_its_exponentials_from_the_fma_pipe():

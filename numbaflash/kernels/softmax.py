@@ -23,25 +23,25 @@ whole arrays), after ``start(acc, m_i, l_i)``, which sets a block's output to 0,
   (v5, whose tensor cores add a one-sided tile's column term: `wgmma.alibi_columns`) the scores stay in units of
   softmax_scale (`kernels.mods.alibi_columns_units`), the side is the warpgroup's, and ``shift[:, 0]`` holds
   each row's term: a one-sided tile's scores take no instruction here.
-* ``online_softmax(s, shift, m_i, l_i, alpha, scale_log2)``: new running maxima ``m_i``, the factor ``alpha``
-  by which earlier sums and outputs shrink, ``s`` exponentiated in place (``P``), and the running sums
-  ``l_i`` (a lane's partial sum; the quad adds them at the end). A row's maximum moves only where the tile's
-  exceeds it by more than ``RESCALE_LOG2`` (base 2; `sim.online_softmax.update`'s ``threshold``), else its
-  ``alpha`` is 1 and P reaches up to 2^8. Scores stay raw: ``softmax_scale *
-  log2(e)`` is folded into the exponent's FMA, and the exponential is the hardware's ex2 (in ``fma_chunks`` of
-  each row's 8-key chunks a polynomial on the FMA pipe, `ex2_fma`, where the special-function unit is what
-  bounds the kernel: softcap's tanh at headdim 64, `tiling.WGMMA_SOFTCAP_TILES`). A scale <= 0
-  (flash-attn takes any) first turns the visible raw scores: a negative one makes the largest scaled
-  score the smallest raw one, so they are negated and the step works with the scale's magnitude
-  (``m_i`` holds maxima of ``-s``); zero makes them all 0, with scale 1 (`effective_scale`). A uniform
-  branch: a positive scale pays one comparison per tile.
-* ``rescale_o(acc, alpha)``: the output accumulators times ``alpha``, row by row, behind a branch that a warp
-  whose rows all kept their maxima skips (most tiles after the first few): the plain v5 forward ran 2-6% faster
-  at headdim 64 and within 2% either way at 128, softcap's 3% faster at 128 (H100, N = 4096 and 16384,
-  .bench/rescale_ab.py).
-* ``finish(l_i, inv)``: each row's whole sum (over the quad) into ``l_i`` and its inverse (0 for a row
-  that saw no key, whose sum is exactly 0) into ``inv``, for the one normalization at the end. A NaN
-  score makes the sum NaN, and out and LSE NaN with it, as in the reference.
+* ``online_softmax(s, shift, m_i, l_i, alpha, scale_log2)``: new running maxima ``m_i``, the factor ``alpha`` by
+  which earlier sums and outputs shrink, ``s`` exponentiated in place (``P``), and the running sums ``l_i`` (a
+  lane's partial sum; the quad adds them at the end), unless the tensor cores sum P (``row_sums``). A row's
+  maximum moves only where the tile's exceeds it by more than ``RESCALE_LOG2`` (base 2;
+  `sim.online_softmax.update`'s ``threshold``), else its ``alpha`` is 1 and P reaches up to 2^8. Scores stay raw:
+  ``softmax_scale * log2(e)`` is folded into the exponent's FMA, and the exponential is the hardware's ex2 (in
+  ``fma_chunks`` of each row's 8-key chunks a polynomial on the FMA pipe, `ex2_fma`, where the special-function
+  unit is what bounds the kernel: softcap's tanh at headdim 64, `tiling.WGMMA_SOFTCAP_TILES`). A scale <= 0
+  (flash-attn takes any) first turns the visible raw scores: a negative one makes the largest scaled score the
+  smallest raw one, so they are negated and the step works with the scale's magnitude (``m_i`` holds maxima of
+  ``-s``); zero makes them all 0, with scale 1 (`effective_scale`). A uniform branch: a positive scale pays one
+  comparison per tile.
+* ``rescale_o(acc, alpha)``: the output accumulators (with ``row_sums``, the sums' too) times ``alpha``, row by
+  row, behind a branch that a warp whose rows all kept their maxima skips (most tiles after the first few): the
+  plain v5 forward ran 2-6% faster at headdim 64 and within 2% either way at 128, softcap's 3% faster at 128
+  (H100, N = 4096 and 16384, .bench/rescale_ab.py).
+* ``finish(acc, l_i, inv)``: each row's whole sum (over the quad, or the tensor cores' from ``acc``) into ``l_i``
+  and its inverse (0 for a row that saw no key, whose sum is exactly 0) into ``inv``, for the one normalization at
+  the end. A NaN score makes the sum NaN, and out and LSE NaN with it, as in the reference.
 * ``write_lse(lse, b, h, warp_row, g, t, m_i, l_i, scale_log2)``: each row's log-sum-exp (natural log; -inf
   for a row that saw no key), written once by the quad's first lane.
 """
@@ -81,13 +81,18 @@ def fma_chunk(j, NT, fma_chunks):
     return (j + 1) * fma_chunks // NT > j * fma_chunks // NT
 
 
-def steps(M, NT, DT, mods=NONE, fma_chunks=0, alibi_columns=False):
+def steps(M, NT, DT, mods=NONE, fma_chunks=0, alibi_columns=False, row_sums=False):
     """``(start, mask, online_softmax, rescale_o, finish, write_lse)`` for ``M`` m-tiles of ``8 NT`` keys and ``8 DT``
     output columns, with the modifications ``mods`` (`numbaflash.mods.Mods`); ``fma_chunks`` of each row's ``NT``
     8-key chunks take their exponentials from `ex2_fma` on the FMA pipe, the rest from ex2. ``alibi_columns``: the
     kernel's tensor cores add ALiBi alone's column term to the scores of tiles on one side of a warpgroup's
-    diagonal (`wgmma.alibi_columns`), which then stay in the units of `kernels.mods.alibi_columns_units`."""
+    diagonal (`wgmma.alibi_columns`), which then stay in the units of `kernels.mods.alibi_columns_units`.
+    ``row_sums`` (one m-tile): the kernel's tensor cores sum each row's P into 8 more output columns, the
+    accumulators' row block ``DT`` (`wgmma.row_sums`), which the steps scale with O and take l from."""
     M_ROWS = 2 * M
+    if row_sums and M != 1:
+        raise ValueError(f"row sums from the tensor cores are a warpgroup's, one m-tile a warp; got {M} m-tiles")
+    SUMS = int(row_sums)  # accumulator row blocks after O's
     modifier = modifiers(mods, types.float32, fast=True)
     MODIFIED, MASKED, logit, visible = modifier.modified, modifier.masked, modifier.logit, modifier.visible
     cap_of, slope_of = modifier.cap, modifier.slope
@@ -113,7 +118,7 @@ def steps(M, NT, DT, mods=NONE, fma_chunks=0, alibi_columns=False):
 
     @device_function
     def start(acc, m_i, l_i):
-        fill(acc, M * DT, 4, ZERO)
+        fill(acc, M * DT + SUMS, 4, ZERO)
         for r in range(M_ROWS):
             m_i[r] = NEG_INF
             l_i[r] = ZERO
@@ -292,8 +297,10 @@ def steps(M, NT, DT, mods=NONE, fma_chunks=0, alibi_columns=False):
                     x = s[j, 2 * half + e] * scale_log2 - (odd_base if e == 1 else even_base)
                     p = ex2_fma(x) if fma_chunk(j - mi * NT, NT, fma_chunks) else ex2(x)
                     s[j, 2 * half + e] = p
-                    row_sum += p
-            l_i[r] = l_i[r] * alpha[r] + row_sum
+                    if not SUMS:
+                        row_sum += p
+            if not SUMS:
+                l_i[r] = l_i[r] * alpha[r] + row_sum
 
     @device_function
     def rescale_o(acc, alpha):
@@ -304,14 +311,15 @@ def steps(M, NT, DT, mods=NONE, fma_chunks=0, alibi_columns=False):
             return
         for r in range(M_ROWS):
             mi, half = r // 2, r % 2
-            for j in range(mi * DT, mi * DT + DT):
+            for j in range(mi * DT, mi * DT + DT + SUMS):
                 acc[j, 2 * half] *= alpha[r]
                 acc[j, 2 * half + 1] *= alpha[r]
 
     @device_function
-    def finish(l_i, inv):
+    def finish(acc, l_i, inv):
         for r in range(M_ROWS):
-            l_i[r] = group_sum(l_i[r], 4)
+            # the tensor cores' sums are the whole row's in each lane (every column of P 1 is)
+            l_i[r] = acc[DT, 2 * r] if SUMS else group_sum(l_i[r], 4)
             inv[r] = ONE / l_i[r] if l_i[r] != ZERO else ZERO
 
     @device_function

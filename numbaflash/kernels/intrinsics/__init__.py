@@ -47,7 +47,8 @@ Hopper (compute capability 9.0, sm_90a; `ptx_hopper`):
   ``fresh=True`` the product overwrites ``acc`` whatever ``accumulate`` says, and ``acc``'s old values are
   not its inputs (they need not stay in registers before it). ``rs(acc, a0, a1, a2, a3, smem, desc_b)`` from
   ``wgmma_rs(n, storage)``: ``acc += A B`` with A from registers (per warp, the m16n8k16 A fragment of
-  its 16 rows) and B (16 x n) MN-major in shared memory. ``acc`` is a thread's (n / 8, 4) float32
+  its 16 rows) and B (16 x n) MN-major in shared memory; ``wgmma_rs(n, storage, first)`` takes its
+  accumulators from flat element ``first`` of ``acc`` on. ``acc`` is a thread's (n / 8, 4) float32
   fragment array (rows ``16 w + g``, ``+ 8``; columns ``8 j + 2 t``, ``+ 1``, as mma.sync's C);
   descriptors are `wgmma.tiles.descriptor`s of the 128-byte swizzle. The emulation reads the operands
   from ``smem`` (the array the descriptors point into) and completes at once.

@@ -121,7 +121,7 @@ def wgmma_ss(n, storage, mn_major=False, fresh=False):
 
 
 @functools.lru_cache(maxsize=None)
-def wgmma_rs(n, storage):
+def wgmma_rs(n, storage, first=0):
     dtype = DTYPES[storage]
 
     def rs(acc, a0, a1, a2, a3, smem, desc_b):
@@ -132,8 +132,9 @@ def wgmma_rs(n, storage):
             return _product(n, threads, a, mn_major_operand(smem, threads[0][2], n, dtype), True)
 
         flat = acc.reshape(-1)
-        d, rank = group_result((flat[:n // 2].copy(), (a0, a1, a2, a3), int(desc_b)), product, WARPGROUP)
-        flat[:n // 2] = d[rank]
+        d, rank = group_result((flat[first:first + n // 2].copy(), (a0, a1, a2, a3), int(desc_b)), product,
+                               WARPGROUP)
+        flat[first:first + n // 2] = d[rank]
 
     return rs
 

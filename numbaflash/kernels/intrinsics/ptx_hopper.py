@@ -36,10 +36,11 @@ def shared_address(typingctx, smem, i):
     return sig, codegen
 
 
-def _fragments(context, builder, aryty, ary_value, count):
-    """Pointers to the first ``count`` float32 of a C-contiguous local array, by constant index."""
+def _fragments(context, builder, aryty, ary_value, count, first=0):
+    """Pointers to ``count`` float32 of a C-contiguous local array from flat element ``first``, by constant
+    index."""
     data = context.make_array(aryty)(context, builder, ary_value).data
-    return [builder.gep(data, [ir.Constant(ir.IntType(32), i)]) for i in range(count)]
+    return [builder.gep(data, [ir.Constant(ir.IntType(32), first + i)]) for i in range(count)]
 
 
 def _is_fragment_array(acc):
@@ -90,7 +91,7 @@ def wgmma_ss(n, storage, mn_major=False, fresh=False):
 
 
 @functools.lru_cache(maxsize=None)
-def wgmma_rs(n, storage):
+def wgmma_rs(n, storage, first=0):
     count, kind = n // 2, KIND[storage]
     regs = ",".join(f"${i}" for i in range(count))
     # B MN-major (imm-trans-b = 1): V as it sits in memory, keys along K and the head dim along N.
@@ -107,7 +108,7 @@ def wgmma_rs(n, storage):
         def codegen(context, builder, signature, args):
             i64, i32 = ir.IntType(64), ir.IntType(32)
             words = [context.cast(builder, v, t, types.uint32) for v, t in zip(args[1:5], signature.args[1:5])]
-            _wgmma(builder, _fragments(context, builder, signature.args[0], args[0], count), [i32] * 4 + [i64],
+            _wgmma(builder, _fragments(context, builder, signature.args[0], args[0], count, first), [i32] * 4 + [i64],
                    ["r"] * 4 + ["l"], words + [args[6]], text)
             return context.get_dummy_value()
 

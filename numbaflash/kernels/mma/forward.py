@@ -126,7 +126,7 @@ def build(D, tiles, storage, mods=NONE):
 
         # One normalization at the end; O and LSE written once.
         inv = cuda.local.array(M_ROWS, types.float32)
-        finish(l_i, inv)
+        finish(acc, l_i, inv)
         for mi in range(M):
             write_out(out, b, warp_row + 16 * mi, h, acc, mi, inv[2 * mi], inv[2 * mi + 1], g, t)
         write_lse(lse, b, h, warp_row, g, t, m_i, l_i, scale_log2, bh)

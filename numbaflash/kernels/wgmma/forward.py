@@ -168,7 +168,7 @@ def build(D, tiles, storage, mods=NONE):
 
         # One normalization at the end; O and LSE written once.
         inv = cuda.local.array(2, types.float32)
-        finish(l_i, inv)
+        finish(acc, l_i, inv)
         write_out(out, b, warp_row, h, acc, 0, inv[0], inv[1], g, t)
         write_lse(lse, b, h, warp_row, g, t, m_i, l_i, scale_log2, bh)
 

@@ -31,7 +31,8 @@ it (a barrier left half-arrived at exit). Every consumer of a block visits the s
 turns pair up.
 
 With ALiBi alone and ``tiles.alibi_columns`` each tile's S starts from ALiBi's column term, one more bfloat16
-k-step whose operands the block writes into shared memory once (`alibi_columns`).
+k-step whose operands the block writes into shared memory once (`alibi_columns`). With ``tiles.row_sums`` the
+tensor cores sum each row's P beside P V, into 8 more columns of O's accumulators (`row_sums`).
 
 Packed (varlen) sequences run v5 (not v4): the tensor maps span the packed operands, a block's copies start at
 its sequence's rows (`sequences.sequence_starts`), and the last V tile of a sequence that ends inside it has
@@ -52,7 +53,7 @@ from ..key_tiles import key_tiles, tile_order, verdict_slot
 from ..mods import alibi_columns_units, alibi_side, kernel_type, modifiers
 from ..sequences import sequence_starts, sequences
 from ..softmax import steps
-from . import alibi_columns, tensor_maps
+from . import alibi_columns, row_sums, tensor_maps
 from .forward import layout
 from .pipeline import BARRIER_ELEMENTS, PRODUCER, bulk_copier, hand_over, register_moves, release, tail_zeroer, wait
 from .tiles import ALIGN, advance, aligned_base, descriptors, pack_p, products, stager
@@ -79,10 +80,15 @@ def columns_elements(tiles):
     return alibi_columns.elements(tiles.block_n) if tiles.alibi_columns else 0
 
 
+def ones_elements(tiles):
+    """16-bit elements of the row sums' ones after the column operands (``tiles.row_sums``), else 0."""
+    return row_sums.elements() if tiles.row_sums else 0
+
+
 def smem_bytes(D, tiles):
-    """Dynamic shared memory of a block: v3's tiles, ALiBi's column operands, the mbarriers, and room to align
-    them."""
-    return 2 * (layout(D, tiles)[-1] + columns_elements(tiles)) + 8 * barriers(tiles) + ALIGN
+    """Dynamic shared memory of a block: v3's tiles, ALiBi's column operands, the row sums' ones, the mbarriers,
+    and room to align them."""
+    return 2 * (layout(D, tiles)[-1] + columns_elements(tiles) + ones_elements(tiles)) + 8 * barriers(tiles) + ALIGN
 
 
 def build(D, tiles, storage, mods=NONE):
@@ -91,7 +97,8 @@ def build(D, tiles, storage, mods=NONE):
     THREADS = PRODUCER + 128 * CONSUMERS
     NT, DT, PS = BLOCK_N // 8, D // 8, BLOCK_N // 16
     Q_AT, K_AT, V_AT, COLUMNS_AT = layout(D, tiles)
-    BAR_AT = COLUMNS_AT + columns_elements(tiles)
+    ONES_AT = COLUMNS_AT + columns_elements(tiles)
+    BAR_AT = ONES_AT + ones_elements(tiles)
     Q_FULL, K_FULL, V_FULL = BAR_AT, BAR_AT + BARRIER_ELEMENTS, BAR_AT + (1 + STAGES) * BARRIER_ELEMENTS
     K_EMPTY, V_EMPTY = BAR_AT + (1 + 2 * STAGES) * BARRIER_ELEMENTS, BAR_AT + (1 + 3 * STAGES) * BARRIER_ELEMENTS
     V_TAIL = BAR_AT + (1 + 4 * STAGES) * BARRIER_ELEMENTS
@@ -110,7 +117,11 @@ def build(D, tiles, storage, mods=NONE):
     modifier = modifiers(mods, types.float32, fast=True)
     prepare, slope_of = modifier.prepare, modifier.slope
     fill_columns, add_columns = alibi_columns.column_bias(BLOCK_N)
-    start, mask, online_softmax, rescale_o, finish, write_lse = steps(1, NT, DT, mods, tiles.exp2_fma, COLUMNS)
+    SUMS = tiles.row_sums  # the softmax's row sums from the tensor cores
+    ACC_ROWS = DT + int(SUMS)  # O's accumulator blocks, then the sums'
+    fill_ones, ones_descriptor, add_sums = row_sums.row_sums(D, BLOCK_N, storage)
+    start, mask, online_softmax, rescale_o, finish, write_lse = steps(1, NT, DT, mods, tiles.exp2_fma, COLUMNS,
+                                                                      SUMS)
     tile_count, tile_start, tile_full = key_tiles(mods, BLOCK_M, BLOCK_N)
     tile_slot = verdict_slot(mods, BLOCK_M)
     order = tile_order(mods, BLOCK_M, BLOCK_N)
@@ -226,6 +237,13 @@ def build(D, tiles, storage, mods=NONE):
         scores(s, smem, q_desc, advance(k_desc, 2 * stage * TILE_N))
 
     @device_function
+    def weigh(acc, p, smem, v_stage, ones):
+        # O += P V, and the rows' sums of P beside it (P [V | 1]) where the tensor cores take them
+        accumulate(acc, p, smem, v_stage)
+        if SUMS:
+            add_sums(acc, p, smem, ones)
+
+    @device_function
     def side_of(wg_row, n_start, seqlen_q, seqlen_k):
         # The tile's side whatever the units: where the softmax cannot take them (`alibi_columns_units`' ok), the
         # column operands hold zeros (a predicate of it live through the loop spilled 8 bytes in three consumers at
@@ -275,6 +293,9 @@ def build(D, tiles, storage, mods=NONE):
         if COLUMNS:
             _, gamma, columns_ok = alibi_columns_units(scale_log2, slope_of(bh))
             fill_columns(words, base + COLUMNS_AT, gamma if columns_ok else types.float32(0), tid, THREADS)
+        if SUMS:
+            fill_ones(words, base + ONES_AT, tid, THREADS)
+        if COLUMNS or SUMS:
             fence_proxy_async()  # written through the generic proxy, read by wgmma through the async one
         cuda.syncthreads()
 
@@ -290,8 +311,9 @@ def build(D, tiles, storage, mods=NONE):
             wg, warp, lane = warp_uniform(ctid // 128), (ctid % 128) // 32, ctid % 32
             g, t = lane >> 2, lane & 3
             q_desc, k_desc, v_desc = descriptors(shared_address(smem, base), Q_AT, K_AT, V_AT, BLOCK_N, wg)
+            ones_desc = ones_descriptor(shared_address(smem, base), ONES_AT)
 
-            acc = cuda.local.array((DT, 4), types.float32)  # O fragments: 64 x D per warpgroup
+            acc = cuda.local.array((ACC_ROWS, 4), types.float32)  # O fragments: 64 x D per warpgroup (+ 8 sums)
             s = cuda.local.array((NT, 4), types.float32)  # S, then P, fragments: 64 x BLOCK_N per warpgroup
             p = cuda.local.array((PS, 4), types.uint32)  # P rounded to 16 bits: the A operand of P V
             # Row r of m_i, l_i is row `fragments.lane_row(r, g)` of the warp's 16.
@@ -337,7 +359,7 @@ def build(D, tiles, storage, mods=NONE):
                 wgmma_fence()  # S, P and O were last written by ordinary instructions
                 tile_scores(s, smem, q_desc, k_desc, it % STAGES, side)
                 wgmma_commit()
-                accumulate(acc, p, smem, advance(v_desc, 2 * ((it - 1) % STAGES) * TILE_N))
+                weigh(acc, p, smem, advance(v_desc, 2 * ((it - 1) % STAGES) * TILE_N), ones_desc)
                 wgmma_commit()
                 next_turn(wg, it, ntiles)
                 wgmma_wait1()  # S_it is done; P_{it-1} V_{it-1} may still run under the softmax below
@@ -352,13 +374,13 @@ def build(D, tiles, storage, mods=NONE):
             # The last tile's P V.
             take(smem, base, V_FULL, ntiles - 1)
             wgmma_fence()
-            accumulate(acc, p, smem, advance(v_desc, 2 * ((ntiles - 1) % STAGES) * TILE_N))
+            weigh(acc, p, smem, advance(v_desc, 2 * ((ntiles - 1) % STAGES) * TILE_N), ones_desc)
             wgmma_commit()
             wgmma_wait0()
 
             # One normalization at the end; O and LSE written once.
             inv = cuda.local.array(2, types.float32)
-            finish(l_i, inv)
+            finish(acc, l_i, inv)
             if PACKED:  # narrowed here: the views, live through the loop, kept 60-120 bytes of local memory
                 q_start, q_end, _, _ = sequence(mod, cuda.blockIdx.z)
                 out, lse = out[:, q_start:q_end], lse[:, :, q_start:q_end]
