@@ -198,29 +198,36 @@ def _accumulator_scalar(call):
     return np.float64 if call.dtype == "float64" else np.float32
 
 
-def _plan_for(call, backward, device=None, dout=None, deterministic=True):
+def _plan_for(call, backward, device=None, dout=None, deterministic=True, lse=True):
     """The plan of ``call`` on ``device`` (default: the GPU its operands are on, current under `_device_context`,
-    where the plan is remembered with the layout); a backward's ``dout`` counts for the alignment its copies need."""
+    where the plan is remembered with the layout); a backward's ``dout`` counts for the alignment its copies need;
+    ``lse``: the caller takes the forward's LSE (`tiling.make_plan`)."""
     aligned = call.remembered("aligned", lambda: all(op.vector_aligned(8) for op in (call.q, call.k, call.v)))
     aligned = aligned and (dout is None or dout.vector_aligned(8))
     if device is not None:
-        return _make_plan(call, backward, device, aligned, deterministic)
-    return call.remembered(("plan", backward, aligned, deterministic),
-                           lambda: _make_plan(call, backward, tiling.current_device(call.device), aligned, deterministic))
+        return _make_plan(call, backward, device, aligned, deterministic, lse)
+    return call.remembered(("plan", backward, aligned, deterministic, lse),
+                           lambda: _make_plan(call, backward, tiling.current_device(call.device), aligned, deterministic,
+                                              lse))
 
 
-def _make_plan(call, backward, device, aligned, deterministic):
+def _make_plan(call, backward, device, aligned, deterministic, lse):
     return tiling.make_plan(call.batch, call.nheads, call.nheads_kv, call.seqlen_q, call.seqlen_k, call.headdim,
                             call.dtype, backward=backward, device=device, aligned=aligned, packed=call.mods.packed,
                             user_functions=call.mods.per_score_functions, deterministic=deterministic,
                             softcap_alone=call.mods.softcap_alone, block_sparse=call.mods.block_sparse,
-                            alibi_alone=call.mods.alibi_alone)
+                            alibi_alone=call.mods.alibi_alone, lse=lse)
 
 
-def _check_plan(plan, call, direction):
+def _check_plan(plan, call, direction, lse=False):
+    """``plan`` as the caller gave it, for ``call`` in ``direction``; ``lse``: the caller takes the LSE, which a plan
+    whose tensor cores sum P's rows (`wgmma.row_sums`) does not give exactly."""
     if not isinstance(plan, tiling.Plan):
         raise TypeError(f"plan must be None or what numbaflash.plan(...) returns (a numbaflash.tiling.Plan); "
                         f"got {type(plan).__name__}")
+    if lse and getattr(plan.tiles, "row_sums", False):
+        raise ValueError("plan sums P's rows on the tensor cores (tiles.row_sums), which gives no exact LSE: call "
+                         "without return_lse, or with a plan made with lse=True (tiling.make_plan's default)")
     expected = (direction, call.dtype, call.batch, call.nheads, call.nheads_kv, call.seqlen_q, call.seqlen_k, call.headdim)
     got = (plan.direction, plan.dtype, plan.batch, plan.nheads, plan.nheads_kv, plan.seqlen_q, plan.seqlen_k, plan.headdim)
     if got != expected:
@@ -312,7 +319,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod, score_mod_grad=score_mod_grad,
         mask_mod=mask_mod, mod_args=mod_args, block_mask=block_mask))
     with _device_context(call):
-        plan = _check_plan(plan, call, "forward") if plan is not None else _plan_for(call, backward=False)
+        plan = (_check_plan(plan, call, "forward", lse=return_lse) if plan is not None
+                else _plan_for(call, backward=False, lse=return_lse))
         out = _arrays.output(call.q, (call.batch, call.seqlen_q, call.nheads, call.headdim), call.dtype, "out")
         lse = _arrays.output(call.q, (call.batch, call.nheads, call.seqlen_q), call.lse_dtype, "lse")
         run_forward(call, plan, out, lse)
@@ -534,18 +542,19 @@ def _compared(standard, flash):
 
 def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), backward=False, softcap=0.0,
             alibi_slopes=None, score_mod=None, score_mod_grad=None, mask_mod=None, mod_args=(), block_mask=None,
-            deterministic=True):
+            deterministic=True, return_lse=False):
     """Which kernel runs for this call and why, its plan, and its HBM traffic as `sim` predicts it
-    (``deterministic``: as given to `attention_backward`)."""
+    (``deterministic``: as given to `attention_backward`; ``return_lse``: as given to `attention`)."""
     import sim
 
     arguments.flag(backward, "backward")
     arguments.flag(deterministic, "deterministic")
+    arguments.flag(return_lse, "return_lse")
     call = inspect(q, k, v, causal, softmax_scale, window_size, modifications=dict(
         softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod, score_mod_grad=score_mod_grad,
         mask_mod=mask_mod, mod_args=mod_args, block_mask=block_mask), backward=backward)
     with _device_context(call):
-        the_plan = _plan_for(call, backward, deterministic=deterministic)
+        the_plan = _plan_for(call, backward, deterministic=deterministic, lse=return_lse)
     sizes = dict(seqlen_k=call.seqlen_k, batch=call.batch, nheads=call.nheads, nheads_kv=call.nheads_kv,
                  causal=causal, window_size=tuple(window_size), backward=backward, dtype_bytes=the_plan.dtype_bytes)
     flash = sim.predict_io(call.seqlen_q, call.headdim, plan=the_plan, block_mask=call.block_mask, **sizes)

@@ -281,20 +281,26 @@ WGMMA_USER_FUNCTION_TILES = {64: WgmmaTiles(128, 128, 2, producer=True, tma=True
 # 128 blocks 1.38-1.39x); at 128 1.15x with none, 1.17-1.18x with 2, 4 or 6 of 16. Three runs of each on the H100
 # (2026-11-26, .bench/cap_ab.py, non-causal then causal, means): 1.38x and 1.37x with none, 1.38x and 1.34x with 2,
 # 1.39x and 1.37x with 3, 1.40x and 1.38x with 4: 2 (it was 4).
-# Its row sums from the tensor cores (`wgmma.row_sums`, 48 FADDs a warp's tile fewer): 1.40x -> 1.34x, 1.45x -> 1.38x
-# and 1.38x -> 1.32x (causal 1.38x -> 1.34x, 1.38x -> 1.33x, 1.36x -> 1.32x) in three runs (H100, 2026-11-27,
-# .bench/sums_ab.py, .bench/ahead_ab.py); with them 0, 3, 4 or 6 chunks on the FMA pipe ran 1.34x, 1.35x, 1.37x and
-# 1.40x against 2's 1.32x. The plain forward at 64 ran the same with them (2.445 against 2.452 ms); at 128 softcap
-# ran 4-5% slower (1.17x -> 1.22x), ALiBi 6%: the plain kernels keep the softmax's adds.
-WGMMA_SOFTCAP_TILES = {64: dataclasses.replace(WGMMA_TILES[64], exp2_fma=2, row_sums=True)}
+WGMMA_SOFTCAP_TILES = {64: dataclasses.replace(WGMMA_TILES[64], exp2_fma=2)}
 # ALiBi alone at headdim 64 takes a one-sided tile's column term from one more wgmma k-step (`wgmma.alibi_columns`):
 # its per-score FFMA and per-tile column products and conversions had made its forward 1.09-1.12x the plain one's
 # (1.13-1.18x causal), 1.08-1.11x (1.07-1.10x) with it and `key_tiles.tile_order`'s order (H100 and H200, fp16,
 # N = 16384, 16 heads, .bench/alibi_ab.py). At 128 a first build ran 1-3% slower than without (H100).
 # Packed sequences keep the per-score bias: with the column operands v5's packed forward at 64 spills 124 bytes
-# (64 without; ptxas 13.0). Its row sums from the tensor cores (`wgmma.row_sums`): 2.659 -> 2.601 ms (H100,
-# .bench/sums_ab.py).
-WGMMA_ALIBI_TILES = {64: dataclasses.replace(WGMMA_TILES[64], alibi_columns=True, row_sums=True)}
+# (64 without; ptxas 13.0).
+WGMMA_ALIBI_TILES = {64: dataclasses.replace(WGMMA_TILES[64], alibi_columns=True)}
+# A forward whose caller takes no LSE (`make_plan`'s ``lse``), with softcap alone or ALiBi alone at these head dims,
+# takes its row sums from the tensor cores (`wgmma.row_sums`, 48 FADDs a warp's tile fewer): the sums of P rounded to
+# 16 bits, which normalize out exactly (its error against float64 fell by a third) but leave the LSE off by up to P's
+# rounding, past flash-attn's rule in 29 and 36 of 80 random float16 and bfloat16 cases emulated in NumPy. softcap's
+# forward over the plain one's at 64: 1.411, 1.423, 1.398 -> 1.343, 1.338, 1.324 (causal 1.40-1.42x -> 1.33-1.35x);
+# ALiBi's 1.09-1.12x -> 1.08-1.10x (H100, 2026-11-27, fp16, N = 16384, 16 heads, three paired runs,
+# .bench/ab_run.sh cap_ab.py and alibi_ab.py); with them 0, 3, 4 or 6 of softcap's 12 chunks on the FMA pipe ran
+# 1.34x, 1.35x, 1.37x and 1.40x against 2's 1.32x. The plain forward at 64 ran the same with them (2.445 against
+# 2.452 ms), softcap and ALiBi at 128 4-6% slower (.bench/sums_ab.py): they keep the softmax's adds.
+ROW_SUMS_HEADDIMS = (64,)
+ROW_SUMS_REASON = ("the LSE is not asked for: the tensor cores sum each row's P beside P V (one m64n8 wgmma per "
+                   "k-step), not the softmax")
 WGMMA_CP_ASYNC_TILES = {64: WgmmaTiles(128, 112, 2), 128: WgmmaTiles(128, 64, 2)}
 # A block mask's call at headdim 64: blocks of one consumer warpgroup, two per multiprocessor
 # (`WgmmaTiles.blocks_per_sm`). A block costs about 9 microseconds beyond its tiles (H200, v5 forward at headdim
@@ -520,7 +526,7 @@ def _choose(direction, acc, D, acc_bytes, device, smem_of, wide=False):
 
 def make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward=False, device=None, tiles=None,
               aligned=True, packed=False, user_functions=False, deterministic=True, softcap_alone=False,
-              block_sparse=False, alibi_alone=False):
+              block_sparse=False, alibi_alone=False, lse=True):
     """The plan for these sizes on ``device`` (default: the current one). ``tiles`` overrides the blocks.
     ``aligned``: whether q, k and v have a contiguous head dim, a multiple of 8, and 16-byte aligned
     strides, as the bulk tensor copy engine needs (`interface.vector_staging`). ``packed``: a varlen call
@@ -528,19 +534,21 @@ def make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, back
     grid covers. ``user_functions``: the forward calls the user's functions per score
     (`numbaflash.mods.Mods.per_score_functions`); ``softcap_alone``: its scores go through softcap's tanh alone
     (`numbaflash.mods.Mods.softcap_alone`); ``block_sparse``: a block mask's call, whose blocks visit only its
-    non-empty tiles; ``alibi_alone``: ALiBi without softcap or a score_mod (`numbaflash.mods.Mods.alibi_alone`).
+    non-empty tiles; ``alibi_alone``: ALiBi without softcap or a score_mod (`numbaflash.mods.Mods.alibi_alone`);
+    ``lse``: the caller takes the forward's LSE (``return_lse``, or a backward from it), which the tensor cores' row
+    sums do not give exactly (`ROW_SUMS_HEADDIMS`).
     ``deterministic``: a backward whose repeats are bitwise identical; False with v5's ``tiles`` runs its dK/dV
     kernel that accumulates dQ with float32 atomics (`WGMMA_ATOMIC_DQ`), which no plan picks by itself."""
     device = current_device() if device is None else device
     return _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned,
-                      packed, user_functions, deterministic, softcap_alone, block_sparse, alibi_alone)
+                      packed, user_functions, deterministic, softcap_alone, block_sparse, alibi_alone, lse)
 
 
 @functools.lru_cache(maxsize=1024)  # plans are immutable; a model calls attention with few distinct shapes
 def _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned, packed,
-               user_functions, deterministic, softcap_alone, block_sparse, alibi_alone):
+               user_functions, deterministic, softcap_alone, block_sparse, alibi_alone, lse):
     plan = _choose_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned,
-                        packed, user_functions, deterministic, softcap_alone, block_sparse, alibi_alone)
+                        packed, user_functions, deterministic, softcap_alone, block_sparse, alibi_alone, lse)
     if backward and not deterministic and not isinstance(plan.tiles, WgmmaTiles):  # the wgmma plans say their own
         plan = dataclasses.replace(plan, reason=plan.reason + f"; deterministic=False: {plan.kernel} has no atomic "
                                    "dQ, and runs its deterministic passes")
@@ -548,7 +556,7 @@ def _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, bac
 
 
 def _choose_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned, packed,
-                 user_functions, deterministic, softcap_alone, block_sparse, alibi_alone):
+                 user_functions, deterministic, softcap_alone, block_sparse, alibi_alone, lse):
     from .kernels.mma import backward as mma_backward
     from .kernels.simt import backward as simt_backward, forward as simt_forward
 
@@ -564,7 +572,7 @@ def _choose_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, b
             return _wgmma_backward_plan(shape, device, tiles, aligned, packed, deterministic, block_sparse)
         if not backward and (isinstance(tiles, WgmmaTiles) or (tiles is None and uses_wgmma(dtype, device, headdim))):
             return _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, softcap_alone,
-                                       block_sparse, alibi_alone)
+                                       block_sparse, alibi_alone, lse)
         if not backward:
             return _mma_forward_plan(shape, device, tiles)
         if headdim <= mma_backward.MAX_HEADDIM:
@@ -702,7 +710,7 @@ def _mma_forward_plan(shape, device, tiles, hopper=""):
 
 
 def _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, softcap_alone, block_sparse,
-                        alibi_alone):
+                        alibi_alone, lse):
     from .kernels.wgmma import forward as wgmma_forward, ws_forward as wgmma_ws_forward
 
     D = next(D for D in WGMMA_HEADDIMS if shape["headdim"] <= D)
@@ -724,8 +732,6 @@ def _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, s
         elif tiles.alibi_columns:
             copies = ("; ALiBi alone: one more wgmma k-step adds the bias's column term to each key tile on one side "
                       "of a warpgroup's diagonal, whose scores then take no instruction of their own")
-        if tiles.row_sums:
-            copies += "; the tensor cores sum each row's P beside P V (one m64n8 wgmma per k-step), not the softmax"
         cp_async = ("q, k or v has a head dim that is not contiguous, not a multiple of 8 or not 16-byte aligned, "
                     "which the bulk tensor copy engine cannot read" if tiles.tma and not aligned else "")
         if (cp_async or not tiles.producer) and D not in WGMMA_CP_ASYNC_TILES:
@@ -735,6 +741,9 @@ def _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, s
         if cp_async:
             tiles = WGMMA_CP_ASYNC_TILES[D]
             copies = f"; {cp_async}: v3 copies with cp.async"
+        elif not lse and (softcap_alone or alibi_alone and not packed) and D in ROW_SUMS_HEADDIMS and tiles.tma:
+            tiles = dataclasses.replace(tiles, row_sums=True)
+            copies += f"; {ROW_SUMS_REASON}"
     else:
         check_copy_engine(tiles, aligned)
         if tiles.producer and not tiles.tma and packed:

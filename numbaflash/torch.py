@@ -51,6 +51,8 @@ class Attention(torch.autograd.Function):
         ctx.options, ctx.backward_options = options, backward_options
         ctx.lengths = () if lengths is None else (*_to_arrays(lengths[:2]), *lengths[2:])
         forward = interface.attention if lengths is None else varlen.attention_varlen
+        if not any(ctx.needs_input_grad[:3]):  # no backward will run: the LSE is not asked for (`tiling.make_plan`)
+            return _to_tensors((forward(*_to_arrays((q, k, v)), *ctx.lengths, **options),), q)[0]
         out, lse = _to_tensors(forward(*_to_arrays((q, k, v)), *ctx.lengths, return_lse=True, **options), q)
         ctx.save_for_backward(q, k, v, out, lse)
         return out

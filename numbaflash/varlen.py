@@ -133,8 +133,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                       window_size, _modifications(softcap, alibi_slopes, score_mod, score_mod_grad, mask_mod, mod_args))
     call = packed.call
     with interface._device_context(call):
-        plan = (interface._check_plan(plan, call, "forward") if plan is not None
-                else interface._plan_for(call, backward=False))
+        plan = (interface._check_plan(plan, call, "forward", lse=return_lse) if plan is not None
+                else interface._plan_for(call, backward=False, lse=return_lse))
         out = _arrays.empty(call.q, (packed.total_q, call.nheads, call.headdim), call.dtype)
         lse = _arrays.empty(call.q, (call.nheads, packed.total_q), call.lse_dtype)
         views = [_arrays.describe(_arrays.batch_view(x, call.batch), n) for x, n in ((out, "out"), (lse, "lse"))]

@@ -22,7 +22,8 @@ import numbaflash
 from numbaflash import block_sparsity, masks, reference, tiling
 from numbaflash.kernels import key_tiles
 from numbaflash.mods import Mods
-from cases import Case, check_backward, check_forward, check_gradients, inputs
+from cases import (Case, assert_close_as_flash_attn, check_backward, check_forward, check_gradients, inputs,
+                   naive_forward, reference_forward)
 from test_scale_and_nan import FAMILIES, forward_of
 
 # Small enough for the simulator (a CUDA thread is a Python thread): two batch elements and two heads, so
@@ -248,10 +249,10 @@ def test_alibi_columns_from_the_tensor_cores(name, arrays, poisoned):
     check_forward(case, lambda *a, **kw: numbaflash.attention(*a, plan=plan, **kw), *arrays)
 
 
-# The softmax's row sums from the tensor cores (`wgmma.row_sums`; v5's plans for softcap and ALiBi alone at 64): softcap
-# over keys that grow along the sequence, so rows' maxima move past `kernels.softmax.RESCALE_LOG2` after their first
-# tiles and the sums are rescaled with O, causal with more queries than keys, so the first rows see no key (a sum of
-# exactly 0, LSE -inf); ALiBi with its column term, in bfloat16.
+# The softmax's row sums from the tensor cores (`wgmma.row_sums`; v5's plans for softcap and ALiBi alone at 64 when the
+# LSE is not asked for): softcap over keys that grow along the sequence, so rows' maxima move past
+# `kernels.softmax.RESCALE_LOG2` after their first tiles and the sums are rescaled with O, causal with more queries than
+# keys, so the first rows see no key (a sum of exactly 0, out 0); ALiBi with its column term, in bfloat16.
 ROW_SUMS_CASES = {
     "softcap, causal, growing keys": (Case(1, 90, 70, 2, 1, HEADDIM, "float16", causal=True, logit_scale=8.0, seed=12,
                                            modifications=dict(softcap=30.0)),
@@ -271,15 +272,13 @@ def growing_keys(case):
 
 
 @pytest.mark.parametrize("name", ROW_SUMS_CASES)
-def test_row_sums_from_the_tensor_cores(name, arrays, poisoned, monkeypatch):
-    """v5's forward whose tensor cores sum P beside P V, against the reference: the sums scaled with O where a row's
-    maximum moves, rows that see no key."""
-    import cases
-
+def test_row_sums_from_the_tensor_cores(name, arrays, poisoned):
+    """v5's forward whose tensor cores sum P beside P V, its out against the reference (the LSE, which they do not
+    give exactly, is not returned): the sums scaled with O where a row's maximum moves, rows that see no key."""
+    to_device, to_host = arrays
     case, tiles = ROW_SUMS_CASES[name]
+    q, k, v = growing_keys(case) if "growing" in name else inputs(case)
     if "growing" in name:
-        monkeypatch.setattr(cases, "inputs", growing_keys)
-        q, k, _ = growing_keys(case)
         logits = 30.0 * np.tanh(np.einsum("bqhd,bkd->bhqk", q[:, :, :1].astype(np.float64),
                                           k[:, :, 0].astype(np.float64))[:, 0] * case.scale / 30.0)
         visible = reference.visible_mask(case.seqlen_q, case.seqlen_k, causal=True)
@@ -287,8 +286,11 @@ def test_row_sums_from_the_tensor_cores(name, arrays, poisoned, monkeypatch):
         moved = np.where(visible, logits[0], -np.inf).max(axis=1) - first_tile
         assert (moved[np.isfinite(moved)] > 8 * np.log(2)).any()  # some row's maximum moves past the threshold
     plan = tiling.make_plan(case.batch, case.nheads, case.nheads_kv, case.seqlen_q, case.seqlen_k, case.headdim,
-                            case.dtype, tiles=tiles)
-    check_forward(case, lambda *a, **kw: numbaflash.attention(*a, plan=plan, **kw), *arrays)
+                            case.dtype, tiles=tiles, lse=False)
+    out = to_host(numbaflash.attention(*(to_device(x) for x in (q, k, v)), softmax_scale=case.scale, plan=plan,
+                                       **case.options(to_device)))
+    assert_close_as_flash_attn("out", out, naive_forward(q, k, v, case)[0], reference_forward(q, k, v, case)[0],
+                               case.dtype, case)
 
 
 def test_the_softmax_and_the_kernel_find_the_same_side_of_the_diagonal():
@@ -738,8 +740,7 @@ def test_alibi_alone_at_headdim_64_takes_its_column_term_from_the_tensor_cores()
     assert alibi.tiles == tiling.WGMMA_ALIBI_TILES[64] and alibi.tiles.alibi_columns
     assert "ALiBi alone: one more wgmma k-step adds the bias's column term" in alibi.reason
     columns = 2 * (64 + alibi.tiles.block_n) * 64  # bytes of A's and B's swizzle atoms
-    ones = 2 * 16 * 64  # the row sums' (`test_row_sums_are_planned_where_they_paid`)
-    assert alibi.launches[0].smem_bytes == plan(Mods()).launches[0].smem_bytes + columns + ones
+    assert alibi.launches[0].smem_bytes == plan(Mods()).launches[0].smem_bytes + columns
     for other in (plan(Mods(alibi=True, softcap=True)), plan(Mods(alibi=True, score_mod=relative_bias)),
                   plan(Mods(alibi=True, packed=True)), plan(Mods(alibi=True, mask_mod=same_document_causal,
                                                                  block_sparse=True)),
@@ -779,22 +780,34 @@ def test_two_blocks_per_multiprocessor_take_one_consumer_and_half_the_shared_mem
                          tiles=tiling.WgmmaTiles(**big, blocks_per_sm=2))
 
 
-def test_row_sums_are_planned_where_they_paid():
-    """softcap alone and ALiBi alone take their row sums from the tensor cores at headdim 64 (`tiling.WGMMA_SOFTCAP_TILES`,
-    `tiling.WGMMA_ALIBI_TILES`) and say so; the plain forward, headdim 128 and the backward keep the softmax's adds.
-    Only v5 has them."""
+def test_row_sums_are_planned_where_the_lse_is_not_asked_for(arrays):
+    """softcap alone and ALiBi alone take their row sums from the tensor cores at headdim 64 when the caller takes no
+    LSE (`tiling.ROW_SUMS_HEADDIMS`), and say so; with the LSE, the plain forward, headdim 128 and the backward keep
+    the softmax's adds. A plan with them refuses a call that asks for the LSE; only v5 has them."""
+    to_device, _ = arrays
     hopper = tiling.Device("H100 (planned)", (9, 0), 132, 227 * 1024)
 
-    def plan(headdim=64, backward=False, **flags):
-        return tiling.make_plan(1, 8, 8, 2048, 2048, headdim, "float16", device=hopper, backward=backward, **flags)
+    def plan(headdim=64, backward=False, lse=False, **flags):
+        return tiling.make_plan(1, 8, 8, 2048, 2048, headdim, "float16", device=hopper, backward=backward, lse=lse,
+                                **flags)
 
     for summed in (plan(softcap_alone=True), plan(alibi_alone=True)):
-        assert summed.tiles.row_sums and "the tensor cores sum each row's P beside P V" in summed.reason
-    for other in (plan(), plan(headdim=128, softcap_alone=True), plan(headdim=128, alibi_alone=True),
+        assert summed.tiles.row_sums and "the LSE is not asked for: the tensor cores sum each row's P" in summed.reason
+        ones = 2 * 16 * 64  # bytes of B's 16 rows of ones
+        assert summed.launches[0].smem_bytes == plan(
+            lse=True, softcap_alone=summed.tiles.exp2_fma > 0,
+            alibi_alone=summed.tiles.alibi_columns).launches[0].smem_bytes + ones
+    for other in (plan(), plan(softcap_alone=True, lse=True), plan(alibi_alone=True, lse=True),
+                  plan(headdim=128, softcap_alone=True), plan(headdim=128, alibi_alone=True),
                   plan(backward=True, softcap_alone=True)):
         assert not getattr(other.tiles, "row_sums", False) and "sum each row" not in other.reason
     with pytest.raises(ValueError, match="row_sums.*are v5's"):
         tiling.WgmmaTiles(64, 16, 1, producer=True, row_sums=True)
+    case, tiles = ROW_SUMS_CASES["softcap, causal, growing keys"]
+    summed = tiling.make_plan(1, 1, 1, 8, 8, 16, "float16", tiles=tiles, softcap_alone=True, lse=False)
+    q = to_device(np.zeros((1, 8, 1, 16), np.float16))
+    with pytest.raises(ValueError, match="plan sums P's rows on the tensor cores"):
+        numbaflash.attention(q, q, q, softcap=30.0, plan=summed, return_lse=True)
 
 
 def test_softcap_alone_at_headdim_64_takes_part_of_its_exponentials_from_the_fma_pipe():

@@ -134,6 +134,11 @@ def test_backward_must_be_a_boolean(call):
         call(*qkv())
 
 
+def test_explain_takes_return_lse_as_attention_does():
+    with pytest.raises(TypeError, match="return_lse must be True or False"):
+        numbaflash.explain(*qkv(), return_lse="yes")
+
+
 def test_a_two_dimensional_backward_takes_two_dimensional_gradients():
     q, k, v = (x[0, :, 0] for x in qkv())
     out, lse = numbaflash.attention(q, k, v, return_lse=True)

@@ -11,10 +11,11 @@ Measured (H100, fp16, N = 16384, 16 heads, stream timing, three paired runs agai
 ``.bench/ab_run.sh cap_ab.py`` and ``alibi_ab.py``): softcap alone at headdim 64 1.40-1.42x -> 1.32-1.34x the
 plain forward's time (causal 1.40-1.42x -> 1.33-1.35x), ALiBi alone 1.09-1.12x -> 1.08-1.10x (causal within
 its spread). The plain forward at 64 ran the same with it, softcap and ALiBi at 128 4-6% slower (the 8 more
-wgmma a tile), so `tiling` plans it for those two at 64 only. Accuracy against float64 (N = 1024, 16 heads,
-inputs 3 x standard normal, softcap 30, ``.bench/ahead_ab.py``): out's largest error 6.8e-3 -> 4.2e-3 (float16)
-and 5.2e-2 -> 3.4e-2 (bfloat16); the LSE's 2.7e-4 -> 5.4e-4 and 2.7e-4 -> 3.5e-3, as the sum of rounded P
-differs from the float32 sum of P by up to P's rounding (2^-9 of it in bfloat16).
+wgmma a tile). Accuracy against float64 (N = 1024, 16 heads, inputs 3 x standard normal, softcap 30,
+``.bench/ahead_ab.py``): out's largest error 6.8e-3 -> 4.2e-3 (float16) and 5.2e-2 -> 3.4e-2 (bfloat16); the
+LSE's 2.7e-4 -> 5.4e-4 and 2.7e-4 -> 3.5e-3, as the sum of rounded P differs from the float32 sum of P by up to
+P's rounding: outside flash-attn's rule where logits are small. So `tiling` plans it for softcap alone and ALiBi
+alone at headdim 64 where the caller takes no LSE (`tiling.ROW_SUMS_HEADDIMS`).
 """
 
 import numpy as np
