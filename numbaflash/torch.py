@@ -44,14 +44,15 @@ class Attention(torch.autograd.Function):
     """out = softmax(scale Q K^T + mask) V; saves q, k, v, out and the log-sum-exp for the backward.
 
     ``lengths``: None, or a varlen call's ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)``;
-    ``backward_options``: what only the backward takes (``deterministic``)."""
+    ``backward_options``: what only the backward takes (``deterministic``); ``gradient``: whether a backward may
+    run (`_gradient`), else the forward takes no LSE and saves nothing."""
 
     @staticmethod
-    def forward(ctx, q, k, v, lengths, options, backward_options):
+    def forward(ctx, q, k, v, lengths, options, backward_options, gradient):
         ctx.options, ctx.backward_options = options, backward_options
         ctx.lengths = () if lengths is None else (*_to_arrays(lengths[:2]), *lengths[2:])
         forward = interface.attention if lengths is None else varlen.attention_varlen
-        if not any(ctx.needs_input_grad[:3]):  # no backward will run: the LSE is not asked for (`tiling.make_plan`)
+        if not gradient:  # no backward will run: the LSE is not asked for (`tiling.make_plan`'s ``lse``)
             return _to_tensors((forward(*_to_arrays((q, k, v)), *ctx.lengths, **options),), q)[0]
         out, lse = _to_tensors(forward(*_to_arrays((q, k, v)), *ctx.lengths, return_lse=True, **options), q)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -62,7 +63,13 @@ class Attention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         backward = interface.attention_backward if not ctx.lengths else varlen.attention_varlen_backward
         grads = backward(*_to_arrays((dout, q, k, v, out, lse)), *ctx.lengths, **ctx.options, **ctx.backward_options)
-        return (*_to_tensors(grads, q), None, None, None)
+        return (*_to_tensors(grads, q), None, None, None, None)
+
+
+def _gradient(q, k, v):
+    """Whether a gradient may be asked for, so the forward keeps the LSE for the backward (inside
+    ``Function.forward`` grad mode is off, and ``needs_input_grad`` follows requires_grad under no_grad too)."""
+    return torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
 
 
 def _options(function, q, k, v, causal, softmax_scale, window_size, modifications, **more_tensors):
@@ -80,8 +87,7 @@ def _options(function, q, k, v, causal, softmax_scale, window_size, modification
             raise TypeError(f"numbaflash.torch.{function} takes torch tensors; {name} is a {type(x).__module__}."
                             f"{type(x).__name__} (use numbaflash.{function} for CuPy or NumPy arrays)")
     arguments.flag(causal, "causal")
-    if modifications["score_mod"] is not None and modifications["score_mod_grad"] is None and torch.is_grad_enabled() \
-            and any(x.requires_grad for x in (q, k, v)):
+    if modifications["score_mod"] is not None and modifications["score_mod_grad"] is None and _gradient(q, k, v):
         raise ValueError("a gradient through score_mod needs score_mod_grad(score, b, h, q_idx, kv_idx, *mod_args): "
                          "d score_mod / d score (numbaflash does not differentiate Python)")
     modified = dict(modifications, mod_args=tuple(mod_args))
@@ -103,7 +109,8 @@ def attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), s
         softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod, score_mod_grad=score_mod_grad,
         mask_mod=mask_mod, mod_args=mod_args))
     arguments.flag(deterministic, "deterministic")
-    return Attention.apply(q, k, v, None, dict(options, block_mask=block_mask), dict(deterministic=deterministic))
+    return Attention.apply(q, k, v, None, dict(options, block_mask=block_mask), dict(deterministic=deterministic),
+                           _gradient(q, k, v))
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, softmax_scale=None,
@@ -117,4 +124,5 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     options = _options("attention_varlen", q, k, v, causal, softmax_scale, window_size, dict(
         softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod, score_mod_grad=score_mod_grad,
         mask_mod=mask_mod, mod_args=mod_args), cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-    return Attention.apply(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), options, {})
+    return Attention.apply(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), options, {},
+                           _gradient(q, k, v))

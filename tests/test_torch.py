@@ -85,6 +85,22 @@ def test_a_score_mod_without_its_derivative_is_refused_when_a_gradient_is_wanted
         assert nf_torch.attention(q, q, q, score_mod=lambda s, b, h, i, j: s * 2).shape == q.shape
 
 
+def test_without_a_gradient_the_forward_takes_no_lse(device):
+    """Under no_grad, or with no input that requires a gradient, the forward is `numbaflash.attention` without
+    return_lse, whose plan may differ (`tiling.ROW_SUMS_HEADDIMS`: softcap alone at headdim 64 on Hopper): the same
+    out bit for bit; with a gradient, the one with it."""
+    import numbaflash
+
+    q, k, v = (torch.tensor(x, device=device) for x in inputs(Case(1, 40, 50, 2, 1, 64, "float16", seed=3)))
+    without, with_lse = numbaflash.attention(q, k, v, softcap=30.0), numbaflash.attention(q, k, v, softcap=30.0,
+                                                                                         return_lse=True)[0]
+    assert torch.equal(nf_torch.attention(q, k, v, softcap=30.0), without)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    with torch.no_grad():
+        assert torch.equal(nf_torch.attention(*leaves, softcap=30.0), without)
+    assert torch.equal(nf_torch.attention(*leaves, softcap=30.0).detach(), with_lse)
+
+
 def test_varlen_matches_one_call_per_sequence(device):
     """attention_varlen's output and gradients, sequence by sequence, against attention on each sequence alone,
     with ALiBi slopes per sequence (float64: the two paths run the same kernels' arithmetic)."""
