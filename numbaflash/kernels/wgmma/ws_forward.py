@@ -219,13 +219,20 @@ def build(D, tiles, storage, mods=NONE):
             named_barrier_arrive(TURN + (wg + 1) % CONSUMERS, TURN_THREADS)
 
     @device_function
-    def take(smem, base, full, it):
-        # Tile `it` of a ring has landed. cp.async writes through the generic proxy, so its tiles need a proxy
+    def take(smem, base, full, stage, phase):
+        # The tile in ring stage ``stage``, filled for the ``phase``-th time (mod 2), has landed. cp.async writes through the generic proxy, so its tiles need a proxy
         # fence before wgmma reads them; bulk tensor copies write through the async proxy, which wgmma reads
         # through, so the mbarrier's completion orders them (the fence cost a MEMBAR.ALL.CTA per take).
-        wait(smem, base + full + (it % STAGES) * BARRIER_ELEMENTS, (it // STAGES) & 1)
+        wait(smem, base + full + stage * BARRIER_ELEMENTS, phase)
         if not TMA:
             fence_proxy_async()
+
+    @device_function
+    def next_stage(stage, phase):
+        # The next tile's ring stage and fill parity, as int32 counters: from the tile's index, `it % STAGES` and
+        # `it // STAGES` in int64 with Python's signs took 20-23 more instructions a tile (ptxas 13.0, three stages)
+        wrapped = stage == STAGES - 1
+        return (types.int32(0) if wrapped else types.int32(stage + 1)), (phase ^ types.int32(1) if wrapped else phase)
 
     @device_function
     def tile_scores(s, smem, q_desc, k_desc, stage, side):
@@ -333,7 +340,8 @@ def build(D, tiles, storage, mods=NONE):
             n_start, full, slot = (tile_start(mod, b, h, row_start, n_base, tile), tile_full(mod, b, h, row_start, tile),
                                    tile_slot(mod, b, h, row_start, tile))
             wait(smem, base + Q_FULL, 0)
-            take(smem, base, K_FULL, 0)
+            stage, phase = types.int32(0), types.int32(0)  # K's ring position of the tile (V's a tile behind)
+            take(smem, base, K_FULL, stage, phase)
             my_turn(wg)
             side = side_of(row_start + wg * 64, n_start, seqlen_q, seqlen_k)
             wgmma_fence()
@@ -353,28 +361,30 @@ def build(D, tiles, storage, mods=NONE):
                 n_start, full, slot = (tile_start(mod, b, h, row_start, n_base, tile),
                                        tile_full(mod, b, h, row_start, tile), tile_slot(mod, b, h, row_start, tile))
                 side = side_of(row_start + wg * 64, n_start, seqlen_q, seqlen_k)
-                take(smem, base, K_FULL, it)
-                take(smem, base, V_FULL, it - 1)
+                v_stage, v_phase = stage, phase
+                stage, phase = next_stage(stage, phase)
+                take(smem, base, K_FULL, stage, phase)
+                take(smem, base, V_FULL, v_stage, v_phase)
                 my_turn(wg)
                 wgmma_fence()  # S, P and O were last written by ordinary instructions
-                tile_scores(s, smem, q_desc, k_desc, it % STAGES, side)
+                tile_scores(s, smem, q_desc, k_desc, stage, side)
                 wgmma_commit()
-                weigh(acc, p, smem, advance(v_desc, 2 * ((it - 1) % STAGES) * TILE_N), ones_desc)
+                weigh(acc, p, smem, advance(v_desc, 2 * v_stage * TILE_N), ones_desc)
                 wgmma_commit()
                 next_turn(wg, it, ntiles)
                 wgmma_wait1()  # S_it is done; P_{it-1} V_{it-1} may still run under the softmax below
-                release(smem, base + K_EMPTY + (it % STAGES) * BARRIER_ELEMENTS, ctid)
+                release(smem, base + K_EMPTY + stage * BARRIER_ELEMENTS, ctid)
                 softmax_scores(s, m_i, l_i, alpha, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q,
                                seqlen_k, left, right, scale_log2, bh, full, mod, slot)
                 wgmma_wait0()  # O and P are no longer read by the tensor cores
-                release(smem, base + V_EMPTY + ((it - 1) % STAGES) * BARRIER_ELEMENTS, ctid)
+                release(smem, base + V_EMPTY + v_stage * BARRIER_ELEMENTS, ctid)
                 rescale_o(acc, alpha)
                 pack(p, s)
 
             # The last tile's P V.
-            take(smem, base, V_FULL, ntiles - 1)
+            take(smem, base, V_FULL, stage, phase)
             wgmma_fence()
-            weigh(acc, p, smem, advance(v_desc, 2 * ((ntiles - 1) % STAGES) * TILE_N), ones_desc)
+            weigh(acc, p, smem, advance(v_desc, 2 * stage * TILE_N), ones_desc)
             wgmma_commit()
             wgmma_wait0()
 
