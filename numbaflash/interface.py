@@ -206,9 +206,8 @@ def _plan_for(call, backward, device=None, dout=None, deterministic=True, lse=Tr
     aligned = aligned and (dout is None or dout.vector_aligned(8))
     if device is not None:
         return _make_plan(call, backward, device, aligned, deterministic, lse)
-    return call.remembered(("plan", backward, aligned, deterministic, lse),
-                           lambda: _make_plan(call, backward, tiling.current_device(call.device), aligned, deterministic,
-                                              lse))
+    return call.remembered(("plan", backward, aligned, deterministic, lse), lambda: _make_plan(
+        call, backward, tiling.current_device(call.device), aligned, deterministic, lse))
 
 
 def _make_plan(call, backward, device, aligned, deterministic, lse):

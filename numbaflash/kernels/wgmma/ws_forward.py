@@ -220,9 +220,10 @@ def build(D, tiles, storage, mods=NONE):
 
     @device_function
     def take(smem, base, full, stage, phase):
-        # The tile in ring stage ``stage``, filled for the ``phase``-th time (mod 2), has landed. cp.async writes through the generic proxy, so its tiles need a proxy
-        # fence before wgmma reads them; bulk tensor copies write through the async proxy, which wgmma reads
-        # through, so the mbarrier's completion orders them (the fence cost a MEMBAR.ALL.CTA per take).
+        # The tile in ring stage ``stage``, filled for the ``phase``-th time (mod 2), has landed. cp.async writes
+        # through the generic proxy, so its tiles need a proxy fence before wgmma reads them; bulk tensor copies
+        # write through the async proxy, which wgmma reads through, so the mbarrier's completion orders them (the
+        # fence cost a MEMBAR.ALL.CTA per take).
         wait(smem, base + full + stage * BARRIER_ELEMENTS, phase)
         if not TMA:
             fence_proxy_async()
