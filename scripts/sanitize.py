@@ -45,7 +45,9 @@ def grid():
                     # alone's tiles, and headdim 256's v5.
                     plan = tiling.make_plan(b, h, hk, nq, nk, d, dtype, tiles=tiling.WGMMA_USER_FUNCTION_TILES[64])
                     numbaflash.attention(q, k, v, plan=plan, **mask)
-                    numbaflash.attention(q, k, v, softcap=5.0, **mask)  # softcap alone: part of ex2 on the FMA pipe
+                    # softcap alone: part of ex2 on the FMA pipe; no LSE asked for, so at 64 the row sums' ones in
+                    # shared memory too (`wgmma.row_sums`), as for ALiBi below
+                    numbaflash.attention(q, k, v, softcap=5.0, **mask)
                     # ALiBi alone: v5's column operands in shared memory (`wgmma.alibi_columns`), its key tiles
                     # from beside each block's diagonal (`key_tiles.tile_order`)
                     numbaflash.attention(q, k, v, alibi_slopes=cupy.full((h,), 0.5, np.float32), **mask)

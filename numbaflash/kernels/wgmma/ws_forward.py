@@ -346,7 +346,7 @@ def build(D, tiles, storage, mods=NONE):
             my_turn(wg)
             side = side_of(row_start + wg * 64, n_start, seqlen_q, seqlen_k)
             wgmma_fence()
-            tile_scores(s, smem, q_desc, k_desc, 0, side)
+            tile_scores(s, smem, q_desc, k_desc, stage, side)
             wgmma_commit()
             next_turn(wg, 0, ntiles)
             wgmma_wait0()
