@@ -45,6 +45,7 @@ class Call:
     right: int
     single_head: bool
     mods: Mods = NONE
+    softcap: float = 0.0
     mod_values: tuple = ()  # the kernels' ``mod`` argument (`kernels.mods.values`), less a forward's block-mask table
     block_mask: BlockMask = None
     # What was worked out for this layout (`call_cache`): shared by every call of it; None: not remembered.
@@ -150,6 +151,7 @@ def inspect(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), nam
         modified = dataclasses.replace(modified, block_sparse=True)
     call.block_mask = block
     call.mods = modified
+    call.softcap = softcap  # the call cache's key holds it: a call it remembers has the same
     call.mod_values = _mod_values(call, softcap, slopes, mod_args)
     if layout is not None:
         call.memo = {}
@@ -215,7 +217,7 @@ def _make_plan(call, backward, device, aligned, deterministic, lse):
                             call.dtype, backward=backward, device=device, aligned=aligned, packed=call.mods.packed,
                             user_functions=call.mods.per_score_functions, deterministic=deterministic,
                             softcap_alone=call.mods.softcap_alone, block_sparse=call.mods.block_sparse,
-                            alibi_alone=call.mods.alibi_alone, lse=lse)
+                            alibi_alone=call.mods.alibi_alone, lse=lse, softcap=call.softcap)
 
 
 def _check_plan(plan, call, direction, lse=False):
@@ -227,6 +229,11 @@ def _check_plan(plan, call, direction, lse=False):
     if lse and getattr(plan.tiles, "row_sums", False):
         raise ValueError("plan sums P's rows on the tensor cores (tiles.row_sums), which gives no exact LSE: call "
                          "without return_lse, or with a plan made with lse=True (tiling.make_plan's default)")
+    if getattr(plan.tiles, "bounded_max", False) and call.mods.softcap_alone and not tiling.fixed_maximum(
+            call.dtype, call.softcap):
+        raise ValueError(f"plan takes softcap's bound for each row's maximum (tiles.bounded_max), which holds for "
+                         f"bfloat16 with softcap * log2(e) <= {tiling.BOUNDED_MAX_LOG2:g}; got {call.dtype}, softcap "
+                         f"{call.softcap:g}: make the plan with tiling.make_plan(..., softcap=...) for this call")
     expected = (direction, call.dtype, call.batch, call.nheads, call.nheads_kv, call.seqlen_q, call.seqlen_k, call.headdim)
     got = (plan.direction, plan.dtype, plan.batch, plan.nheads, plan.nheads_kv, plan.seqlen_q, plan.seqlen_k, plan.headdim)
     if got != expected:

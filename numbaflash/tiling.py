@@ -6,9 +6,12 @@ Computed in one place from the shapes, the dtype and the device, and used by the
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 
 from .kernels.intrinsics import SIMULATOR
+
+LOG2E = math.log2(math.e)
 
 
 @dataclass(frozen=True)
@@ -121,7 +124,8 @@ class WgmmaTiles:
     the other's tiles; `wgmma.pipeline.register_moves`); with ``alibi_columns`` (v5) a call with ALiBi alone
     (`numbaflash.mods.Mods.alibi_alone`) takes each one-sided tile's column term from one more wgmma k-step
     (`wgmma.alibi_columns`), other calls ignore it; with ``row_sums`` (v5) the tensor cores sum each row's P
-    beside P V (`wgmma.row_sums`) instead of the softmax's adds."""
+    beside P V (`wgmma.row_sums`) instead of the softmax's adds; with ``bounded_max`` (v5) a call with softcap alone
+    takes softcap's bound for every row's maximum (`fixed_maximum`), other calls ignore it."""
 
     block_m: int
     block_n: int
@@ -134,6 +138,7 @@ class WgmmaTiles:
     blocks_per_sm: int = 1
     alibi_columns: bool = False
     row_sums: bool = False
+    bounded_max: bool = False
 
     def __post_init__(self):
         if self.block_m != 64 * self.warpgroups:
@@ -156,6 +161,8 @@ class WgmmaTiles:
             raise ValueError(f"ALiBi's column term from the tensor cores (alibi_columns) is v5's (tma=True); got {self}")
         if self.row_sums and not self.tma:
             raise ValueError(f"row sums from the tensor cores (row_sums) are v5's (tma=True); got {self}")
+        if self.bounded_max and not self.tma:
+            raise ValueError(f"softcap's bound as each row's maximum (bounded_max) is v5's (tma=True); got {self}")
 
     @property
     def threads(self):
@@ -301,6 +308,26 @@ WGMMA_ALIBI_TILES = {64: dataclasses.replace(WGMMA_TILES[64], alibi_columns=True
 ROW_SUMS_HEADDIMS = (64,)
 ROW_SUMS_REASON = ("the LSE is not asked for: the tensor cores sum each row's P beside P V (one m64n8 wgmma per "
                    "k-step), not the softmax")
+# softcap alone in bfloat16 with softcap * log2(e) <= BOUNDED_MAX_LOG2: every score is below the cap, so v5's forward
+# takes the cap, less `kernels.softmax.RESCALE_LOG2`, for each row's maximum, and forms no row maxima (48 FMNMX, the
+# quad's shuffles and the rescaling a warp's tile fewer): P lies in (2^(8 - 2 softcap log2(e)), 2^8], no larger than
+# with running maxima, and normal in bfloat16 and float32 down to 30 bits under a row's largest P. float16's P would
+# underflow (its exponent stops at 2^-24). The price, where a row's every score sits at -softcap: its P near 2^-96
+# times V entries under 2^-30 falls below float32's normal range in P V. softcap's forward over the plain one's (H100, 2026-11-27,
+# N = 16384, 16 heads, stream timing, .bench/bounded_ab.py, one run): bfloat16 at 64 1.410 -> 1.322x (causal 1.385 ->
+# 1.279x), at 128 1.150 -> 1.116x (causal 1.206 -> 1.143x).
+BOUNDED_MAX_LOG2 = 52.0
+BOUNDED_MAX_HEADDIMS = (64, 128)
+BOUNDED_MAX_REASON = ("bfloat16 softcap: the scores' bound, softcap, less 8 (base 2), is each row's maximum (no row "
+                      "maxima formed)")
+
+
+def fixed_maximum(dtype, softcap):
+    """Whether softcap alone at ``softcap`` in ``dtype`` may take its bound for each row's maximum (`WgmmaTiles.
+    bounded_max`): bfloat16, and softcap * log2(e) at most `BOUNDED_MAX_LOG2`."""
+    return dtype == "bfloat16" and 0.0 < softcap * LOG2E <= BOUNDED_MAX_LOG2
+
+
 WGMMA_CP_ASYNC_TILES = {64: WgmmaTiles(128, 112, 2), 128: WgmmaTiles(128, 64, 2)}
 # A block mask's call at headdim 64: blocks of one consumer warpgroup, two per multiprocessor
 # (`WgmmaTiles.blocks_per_sm`). A block costs about 9 microseconds beyond its tiles (H200, v5 forward at headdim
@@ -526,7 +553,7 @@ def _choose(direction, acc, D, acc_bytes, device, smem_of, wide=False):
 
 def make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward=False, device=None, tiles=None,
               aligned=True, packed=False, user_functions=False, deterministic=True, softcap_alone=False,
-              block_sparse=False, alibi_alone=False, lse=True):
+              block_sparse=False, alibi_alone=False, lse=True, softcap=0.0):
     """The plan for these sizes on ``device`` (default: the current one). ``tiles`` overrides the blocks.
     ``aligned``: whether q, k and v have a contiguous head dim, a multiple of 8, and 16-byte aligned
     strides, as the bulk tensor copy engine needs (`interface.vector_staging`). ``packed``: a varlen call
@@ -536,19 +563,20 @@ def make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, back
     (`numbaflash.mods.Mods.softcap_alone`); ``block_sparse``: a block mask's call, whose blocks visit only its
     non-empty tiles; ``alibi_alone``: ALiBi without softcap or a score_mod (`numbaflash.mods.Mods.alibi_alone`);
     ``lse``: the caller takes the forward's LSE (``return_lse``, or a backward from it), which the tensor cores' row
-    sums do not give exactly (`ROW_SUMS_HEADDIMS`).
+    sums do not give exactly (`ROW_SUMS_HEADDIMS`); ``softcap``: the call's softcap with ``softcap_alone``, whose bound
+    on the scores a bfloat16 forward takes for its maximum (`fixed_maximum`).
     ``deterministic``: a backward whose repeats are bitwise identical; False with v5's ``tiles`` runs its dK/dV
     kernel that accumulates dQ with float32 atomics (`WGMMA_ATOMIC_DQ`), which no plan picks by itself."""
     device = current_device() if device is None else device
     return _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned,
-                      packed, user_functions, deterministic, softcap_alone, block_sparse, alibi_alone, lse)
+                      packed, user_functions, deterministic, softcap_alone, block_sparse, alibi_alone, lse, softcap)
 
 
 @functools.lru_cache(maxsize=1024)  # plans are immutable; a model calls attention with few distinct shapes
 def _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned, packed,
-               user_functions, deterministic, softcap_alone, block_sparse, alibi_alone, lse):
+               user_functions, deterministic, softcap_alone, block_sparse, alibi_alone, lse, softcap):
     plan = _choose_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned,
-                        packed, user_functions, deterministic, softcap_alone, block_sparse, alibi_alone, lse)
+                        packed, user_functions, deterministic, softcap_alone, block_sparse, alibi_alone, lse, softcap)
     if backward and not deterministic and not isinstance(plan.tiles, WgmmaTiles):  # the wgmma plans say their own
         plan = dataclasses.replace(plan, reason=plan.reason + f"; deterministic=False: {plan.kernel} has no atomic "
                                    "dQ, and runs its deterministic passes")
@@ -556,7 +584,7 @@ def _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, bac
 
 
 def _choose_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned, packed,
-                 user_functions, deterministic, softcap_alone, block_sparse, alibi_alone, lse):
+                 user_functions, deterministic, softcap_alone, block_sparse, alibi_alone, lse, softcap):
     from .kernels.mma import backward as mma_backward
     from .kernels.simt import backward as simt_backward, forward as simt_forward
 
@@ -572,7 +600,7 @@ def _choose_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, b
             return _wgmma_backward_plan(shape, device, tiles, aligned, packed, deterministic, block_sparse)
         if not backward and (isinstance(tiles, WgmmaTiles) or (tiles is None and uses_wgmma(dtype, device, headdim))):
             return _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, softcap_alone,
-                                       block_sparse, alibi_alone, lse)
+                                       block_sparse, alibi_alone, lse, softcap)
         if not backward:
             return _mma_forward_plan(shape, device, tiles)
         if headdim <= mma_backward.MAX_HEADDIM:
@@ -710,7 +738,7 @@ def _mma_forward_plan(shape, device, tiles, hopper=""):
 
 
 def _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, softcap_alone, block_sparse,
-                        alibi_alone, lse):
+                        alibi_alone, lse, softcap):
     from .kernels.wgmma import forward as wgmma_forward, ws_forward as wgmma_ws_forward
 
     D = next(D for D in WGMMA_HEADDIMS if shape["headdim"] <= D)
@@ -744,6 +772,9 @@ def _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, s
         elif not lse and (softcap_alone or alibi_alone and not packed) and D in ROW_SUMS_HEADDIMS and tiles.tma:
             tiles = dataclasses.replace(tiles, row_sums=True)
             copies += f"; {ROW_SUMS_REASON}"
+        if softcap_alone and fixed_maximum(shape["dtype"], softcap) and D in BOUNDED_MAX_HEADDIMS and tiles.tma:
+            tiles = dataclasses.replace(tiles, bounded_max=True)
+            copies += f"; {BOUNDED_MAX_REASON}"
     else:
         check_copy_engine(tiles, aligned)
         if tiles.producer and not tiles.tma and packed:

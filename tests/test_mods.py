@@ -22,8 +22,8 @@ import numbaflash
 from numbaflash import block_sparsity, masks, reference, tiling
 from numbaflash.kernels import key_tiles
 from numbaflash.mods import Mods
-from cases import (Case, assert_close_as_flash_attn, check_backward, check_forward, check_gradients, inputs,
-                   naive_forward, reference_forward)
+from cases import (NP_DTYPES, Case, assert_close_as_flash_attn, check_backward, check_forward, check_gradients,
+                   dot_product_scale, eps, inputs, naive_forward, reference_forward)
 from test_scale_and_nan import FAMILIES, forward_of
 
 # Small enough for the simulator (a CUDA thread is a Python thread): two batch elements and two heads, so
@@ -291,6 +291,57 @@ def test_row_sums_from_the_tensor_cores(name, arrays, poisoned):
                                        **case.options(to_device)))
     assert_close_as_flash_attn("out", out, naive_forward(q, k, v, case)[0], reference_forward(q, k, v, case)[0],
                                case.dtype, case)
+
+
+# softcap's bound for every row's maximum (`tiling.fixed_maximum`: v5's plans for bfloat16 softcap alone with
+# softcap * log2(e) <= 52): keys that grow along the sequence, where running maxima would move past
+# `kernels.softmax.RESCALE_LOG2`, causal with more queries than keys (rows that see no key: LSE -inf); softcap at the
+# limit over scores past it; every score at -softcap (each P near its smallest, 2^-96); with the tensor cores' row
+# sums (no LSE); a NaN in q.
+BOUNDED_TILES = tiling.WgmmaTiles(128, 16, 2, producer=True, tma=True, pingpong=True, bounded_max=True)
+BOUNDED_CASES = {
+    "causal, growing keys": Case(1, 90, 70, 2, 1, HEADDIM, "bfloat16", causal=True, logit_scale=8.0, seed=12,
+                                 modifications=dict(softcap=30.0)),
+    "softcap at the limit": Case(1, 40, 80, 2, 1, HEADDIM, "bfloat16", logit_scale=64.0, seed=13,
+                                 modifications=dict(softcap=36.0)),
+    "every score at -softcap": Case(1, 40, 80, 2, 1, HEADDIM, "bfloat16", logit_scale=64.0, seed=14,
+                                    modifications=dict(softcap=30.0)),
+    "row sums, no LSE": Case(1, 90, 70, 2, 1, HEADDIM, "bfloat16", causal=True, logit_scale=8.0, seed=15,
+                             modifications=dict(softcap=30.0)),
+    "NaN in q": Case(1, 40, 80, 2, 1, HEADDIM, "bfloat16", seed=16, modifications=dict(softcap=30.0)),
+}
+
+
+@pytest.mark.parametrize("name", BOUNDED_CASES)
+def test_softcap_bound_as_every_rows_maximum(name, arrays, poisoned):
+    """v5's forward with softcap's bound for each row's maximum, out and LSE against the reference under flash-attn's
+    rule (out alone with the row sums; NaN in the rows that see a NaN, as the reference)."""
+    to_device, to_host = arrays
+    case = BOUNDED_CASES[name]
+    q, k, v = growing_keys(case) if "growing" in name else inputs(case)
+    if "-softcap" in name:
+        q, k = np.abs(q), -np.abs(k)
+    if "NaN" in name:
+        q[0, 5, 1, 3] = np.nan
+    tiles = dataclasses.replace(BOUNDED_TILES, row_sums="row sums" in name)
+    plan = tiling.make_plan(case.batch, case.nheads, case.nheads_kv, case.seqlen_q, case.seqlen_k, case.headdim,
+                            case.dtype, tiles=tiles, lse=not tiles.row_sums)
+    got = numbaflash.attention(*(to_device(x) for x in (q, k, v)), softmax_scale=case.scale, plan=plan,
+                               return_lse=not tiles.row_sums, **case.options(to_device))
+    out, lse = (to_host(got), None) if tiles.row_sums else (to_host(x) for x in got)
+    want, want_lse = reference_forward(q, k, v, case)
+    naive_out, naive_lse = naive_forward(q, k, v, case)
+    if "NaN" in name:  # NaN exactly in the rows that see it; the rule on the rest
+        rows = np.isnan(want).any(axis=-1)  # (batch, seqlen_q, nheads)
+        assert rows.any() and np.array_equal(np.isnan(out).any(axis=-1), rows)
+        assert np.array_equal(np.isnan(lse), rows.transpose(0, 2, 1))
+        out, want, naive_out = (np.where(rows[..., None], 0, x) for x in (out, want, naive_out))
+        lse, want_lse, naive_lse = (np.where(rows.transpose(0, 2, 1), 0, x) for x in (lse, want_lse, naive_lse))
+    assert_close_as_flash_attn("out", out, naive_out, want, case.dtype, case)
+    if lse is not None:
+        assert_close_as_flash_attn("lse", lse, naive_lse, want_lse, "float32", case,
+                                   floor=2 * eps("float32") * (dot_product_scale(np.nan_to_num(q.astype(np.float32)), k, case) + float(
+                                       np.abs(want_lse[np.isfinite(want_lse)]).max(initial=0.0))))
 
 
 def test_the_softmax_and_the_kernel_find_the_same_side_of_the_diagonal():
@@ -808,6 +859,41 @@ def test_row_sums_are_planned_where_the_lse_is_not_asked_for(arrays):
     q = to_device(np.zeros((1, 8, 1, 16), np.float16))
     with pytest.raises(ValueError, match="plan sums P's rows on the tensor cores"):
         numbaflash.attention(q, q, q, softcap=30.0, plan=summed, return_lse=True)
+
+
+def test_softcap_bound_is_planned_for_bfloat16_within_its_limit(arrays):
+    """bfloat16 softcap alone with softcap * log2(e) <= `tiling.BOUNDED_MAX_LOG2` takes its bound for each row's
+    maximum in v5's forward at headdim 64 and 128, with or without the LSE (a call's softcap reaches the plan), and
+    says so; float16, a larger softcap, softcap with ALiBi, headdim 256 and the backward keep running maxima. A plan
+    with it refuses a call it does not hold for; only v5 has it."""
+    from numbaflash import interface
+
+    to_device, _ = arrays
+    hopper = tiling.Device("H100 (planned)", (9, 0), 132, 227 * 1024)
+
+    def plan(headdim=64, dtype="bfloat16", softcap=30.0, backward=False, lse=True, softcap_alone=True):
+        return tiling.make_plan(1, 8, 8, 2048, 2048, headdim, dtype, device=hopper, backward=backward, lse=lse,
+                                softcap_alone=softcap_alone, softcap=softcap)
+
+    limit = tiling.BOUNDED_MAX_LOG2 / np.log2(np.e)
+    for bounded in (plan(), plan(lse=False), plan(headdim=128), plan(softcap=float(np.nextafter(limit, 0)))):
+        assert bounded.tiles.bounded_max and tiling.BOUNDED_MAX_REASON in bounded.reason
+    for other in (plan(dtype="float16"), plan(softcap=float(np.nextafter(limit, np.inf))), plan(headdim=256),
+                  plan(backward=True), plan(softcap_alone=False), tiling.make_plan(
+                      1, 8, 8, 2048, 2048, 64, "bfloat16", device=hopper, alibi_alone=True, softcap=30.0)):
+        assert not getattr(other.tiles, "bounded_max", False) and tiling.BOUNDED_MAX_REASON not in other.reason
+    q = to_device(np.zeros((1, 8, 1, 64), NP_DTYPES["bfloat16"]))
+    for cap, bounded in ((30.0, True), (40.0, False)):
+        call = interface.inspect(q, q, q, False, None, (-1, -1), modifications=dict(softcap=cap))
+        assert interface._plan_for(call, False, device=hopper).tiles.bounded_max == bounded
+    with pytest.raises(ValueError, match="bounded_max.*is v5's"):
+        tiling.WgmmaTiles(64, 16, 1, producer=True, bounded_max=True)
+    fixed = tiling.make_plan(1, 1, 1, 8, 8, 16, "bfloat16", tiles=BOUNDED_TILES, softcap_alone=True)
+    for dtype, cap in (("bfloat16", 40.0), ("float16", 30.0)):
+        x = to_device(np.zeros((1, 8, 1, 16), NP_DTYPES[dtype]))
+        with pytest.raises(ValueError, match="softcap's bound for each row's maximum"):
+            numbaflash.attention(x, x, x, softcap=cap, plan=fixed if dtype == "bfloat16" else tiling.make_plan(
+                1, 1, 1, 8, 8, 16, dtype, tiles=BOUNDED_TILES, softcap_alone=True))
 
 
 def test_softcap_alone_at_headdim_64_takes_part_of_its_exponentials_from_the_fma_pipe():

@@ -81,7 +81,7 @@ def fma_chunk(j, NT, fma_chunks):
     return (j + 1) * fma_chunks // NT > j * fma_chunks // NT
 
 
-def steps(M, NT, DT, mods=NONE, fma_chunks=0, alibi_columns=False, row_sums=False):
+def steps(M, NT, DT, mods=NONE, fma_chunks=0, alibi_columns=False, row_sums=False, bounded_max=False):
     """``(start, mask, online_softmax, rescale_o, finish, write_lse)`` for ``M`` m-tiles of ``8 NT`` keys and ``8 DT``
     output columns, with the modifications ``mods`` (`numbaflash.mods.Mods`); ``fma_chunks`` of each row's ``NT``
     8-key chunks take their exponentials from `ex2_fma` on the FMA pipe, the rest from ex2. ``alibi_columns``: the
@@ -100,6 +100,7 @@ def steps(M, NT, DT, mods=NONE, fma_chunks=0, alibi_columns=False, row_sums=Fals
     # softcap alone keeps its scores as tanh(scale s / cap) and the softmax's scale takes the cap: two
     # multiplications per score fewer (its forward at headdim 128 ran 3% faster, H200)
     CAPPED = mods.softcap_alone
+    BOUNDED = CAPPED and bounded_max  # softcap's scores below their bound: a fixed maximum, no row maxima
     ALIBI_ALONE = mods.alibi_alone  # its tiles on one side of a warp's diagonal: `kernels.mods.alibi_side`
     COLUMNS = ALIBI_ALONE and alibi_columns  # one side of a warpgroup's diagonal: columns from the tensor cores
     PARITY_SHIFT = ALIBI_ALONE and not COLUMNS  # a row term per column parity (`modify`); one per row with COLUMNS
@@ -266,31 +267,10 @@ def steps(M, NT, DT, mods=NONE, fma_chunks=0, alibi_columns=False, row_sums=Fals
             scale_log2 = effective_scale(scale_log2)
         for r in range(M_ROWS):
             mi, half = r // 2, r % 2
-            if PARITY_SHIFT:  # a row's scores of each column parity, plus that parity's `shift`
-                even, odd = s[mi * NT, 2 * half], s[mi * NT, 2 * half + 1]
-                for j in range(mi * NT, mi * NT + NT):
-                    even, odd = max(even, s[j, 2 * half]), max(odd, s[j, 2 * half + 1])
-                row_max = max(even + shift[r, 0], odd + shift[r, 1])
+            if BOUNDED:
+                even_base = odd_base = scale_log2 - RESCALE_LOG2
             else:
-                row_max = s[mi * NT, 2 * half]
-                for j in range(mi * NT, mi * NT + NT):
-                    row_max = max(row_max, max(s[j, 2 * half], s[j, 2 * half + 1]))
-                if COLUMNS:
-                    row_max += shift[r, 0]
-            m_tile = max(m_i[r], group_max(row_max, 4))
-            # The maximum moves only past RESCALE_LOG2: +inf at a row's first visible key, NaN (no move) while it has
-            # seen only hidden ones, whose m = -inf is exponentiated against 0.
-            if (m_tile - m_i[r]) * scale_log2 > RESCALE_LOG2:
-                alpha[r] = ex2(m_i[r] * scale_log2 - m_tile * scale_log2)
-                m_i[r] = m_tile
-            else:
-                alpha[r] = ONE
-            base = m_i[r] * scale_log2 if m_i[r] != NEG_INF else ZERO
-            even_base, odd_base = base, base
-            if PARITY_SHIFT:
-                even_base, odd_base = base - shift[r, 0] * scale_log2, base - shift[r, 1] * scale_log2
-            elif COLUMNS:
-                even_base = odd_base = base - shift[r, 0] * scale_log2
+                even_base, odd_base = row_bases(s, shift, m_i, alpha, r, scale_log2)
             row_sum = ZERO
             for j in range(mi * NT, mi * NT + NT):
                 for e in range(2):
@@ -300,10 +280,43 @@ def steps(M, NT, DT, mods=NONE, fma_chunks=0, alibi_columns=False, row_sums=Fals
                     if not SUMS:
                         row_sum += p
             if not SUMS:
-                l_i[r] = l_i[r] * alpha[r] + row_sum
+                l_i[r] = l_i[r] + row_sum if BOUNDED else l_i[r] * alpha[r] + row_sum
+
+    @device_function
+    def row_bases(s, shift, m_i, alpha, r, scale_log2):
+        # row r's new running maximum and its alpha; returns the exponent's bases of its even and odd columns
+        mi, half = r // 2, r % 2
+        if PARITY_SHIFT:  # a row's scores of each column parity, plus that parity's `shift`
+            even, odd = s[mi * NT, 2 * half], s[mi * NT, 2 * half + 1]
+            for j in range(mi * NT, mi * NT + NT):
+                even, odd = max(even, s[j, 2 * half]), max(odd, s[j, 2 * half + 1])
+            row_max = max(even + shift[r, 0], odd + shift[r, 1])
+        else:
+            row_max = s[mi * NT, 2 * half]
+            for j in range(mi * NT, mi * NT + NT):
+                row_max = max(row_max, max(s[j, 2 * half], s[j, 2 * half + 1]))
+            if COLUMNS:
+                row_max += shift[r, 0]
+        m_tile = max(m_i[r], group_max(row_max, 4))
+        # The maximum moves only past RESCALE_LOG2: +inf at a row's first visible key, NaN (no move) while it has
+        # seen only hidden ones, whose m = -inf is exponentiated against 0.
+        if (m_tile - m_i[r]) * scale_log2 > RESCALE_LOG2:
+            alpha[r] = ex2(m_i[r] * scale_log2 - m_tile * scale_log2)
+            m_i[r] = m_tile
+        else:
+            alpha[r] = ONE
+        base = m_i[r] * scale_log2 if m_i[r] != NEG_INF else ZERO
+        even_base, odd_base = base, base
+        if PARITY_SHIFT:
+            even_base, odd_base = base - shift[r, 0] * scale_log2, base - shift[r, 1] * scale_log2
+        elif COLUMNS:
+            even_base = odd_base = base - shift[r, 0] * scale_log2
+        return even_base, odd_base
 
     @device_function
     def rescale_o(acc, alpha):
+        if BOUNDED:  # the maxima never move
+            return
         moved = False
         for r in range(M_ROWS):
             moved = moved or alpha[r] != ONE
@@ -328,7 +341,7 @@ def steps(M, NT, DT, mods=NONE, fma_chunks=0, alibi_columns=False, row_sums=Fals
         for r in range(M_ROWS):
             row = warp_row + lane_row(r, g)
             if row < lse.shape[2] and t == 0:
-                lse[b, h, row] = ((m_i[r] * effective_scale(scale_log2) + math.log2(l_i[r])) * LN2 if l_i[r] != ZERO
-                                  else NEG_INF)
+                m = scale_log2 - RESCALE_LOG2 if BOUNDED else m_i[r] * effective_scale(scale_log2)
+                lse[b, h, row] = (m + math.log2(l_i[r])) * LN2 if l_i[r] != ZERO else NEG_INF
 
     return start, mask, online_softmax, rescale_o, finish, write_lse

@@ -121,7 +121,7 @@ def build(D, tiles, storage, mods=NONE):
     ACC_ROWS = DT + int(SUMS)  # O's accumulator blocks, then the sums'
     fill_ones, ones_descriptor, add_sums = row_sums.row_sums(D, BLOCK_N, storage)
     start, mask, online_softmax, rescale_o, finish, write_lse = steps(1, NT, DT, mods, tiles.exp2_fma, COLUMNS,
-                                                                      SUMS)
+                                                                      SUMS, tiles.bounded_max)
     tile_count, tile_start, tile_full = key_tiles(mods, BLOCK_M, BLOCK_N)
     tile_slot = verdict_slot(mods, BLOCK_M)
     order = tile_order(mods, BLOCK_M, BLOCK_N)
