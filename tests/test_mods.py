@@ -863,9 +863,9 @@ def test_row_sums_are_planned_where_the_lse_is_not_asked_for(arrays):
 
 def test_softcap_bound_is_planned_for_bfloat16_within_its_limit(arrays):
     """bfloat16 softcap alone with softcap * log2(e) <= `tiling.BOUNDED_MAX_LOG2` takes its bound for each row's
-    maximum in v5's forward at headdim 64 and 128, with or without the LSE (a call's softcap reaches the plan), and
-    says so; float16, a larger softcap, softcap with ALiBi, headdim 256 and the backward keep running maxima. A plan
-    with it refuses a call it does not hold for; only v5 has it."""
+    maximum in v5's forward at every head dim, with or without the LSE (a call's softcap reaches the plan), and says
+    so; float16, a larger softcap, softcap with ALiBi and the backward keep running maxima. A plan with it refuses a
+    call it does not hold for; only v5 has it."""
     from numbaflash import interface
 
     to_device, _ = arrays
@@ -876,11 +876,11 @@ def test_softcap_bound_is_planned_for_bfloat16_within_its_limit(arrays):
                                 softcap_alone=softcap_alone, softcap=softcap)
 
     limit = tiling.BOUNDED_MAX_LOG2 / np.log2(np.e)
-    for bounded in (plan(), plan(lse=False), plan(headdim=128), plan(softcap=float(np.nextafter(limit, 0)))):
+    for bounded in (plan(), plan(lse=False), plan(headdim=128), plan(headdim=256),
+                    plan(softcap=float(np.nextafter(limit, 0)))):
         assert bounded.tiles.bounded_max and tiling.BOUNDED_MAX_REASON in bounded.reason
-    for other in (plan(dtype="float16"), plan(softcap=float(np.nextafter(limit, np.inf))), plan(headdim=256),
-                  plan(backward=True), plan(softcap_alone=False), tiling.make_plan(
-                      1, 8, 8, 2048, 2048, 64, "bfloat16", device=hopper, alibi_alone=True, softcap=30.0)):
+    for other in (plan(dtype="float16"), plan(softcap=float(np.nextafter(limit, np.inf))), plan(backward=True),
+                  plan(softcap_alone=False)):  # the last: softcap with ALiBi or a score_mod
         assert not getattr(other.tiles, "bounded_max", False) and tiling.BOUNDED_MAX_REASON not in other.reason
     q = to_device(np.zeros((1, 8, 1, 64), NP_DTYPES["bfloat16"]))
     for cap, bounded in ((30.0, True), (40.0, False)):
