@@ -10,7 +10,7 @@ from numbaflash.kernels.intrinsics import (SIMULATOR, bulk_load, cp_async_16, cp
                                            ldmatrix_x4_trans, load4, mbarrier_arrive, mbarrier_arrive_expect_tx,
                                            mbarrier_init, mbarrier_try_wait,
                                            mma_bf16, mma_f16, named_barrier_arrive, named_barrier_sync,
-                                           pack_bf16, pack_f16, rcp, tanh_approx)
+                                           pack_bf16, pack_f16, rcp, tanh_approx, warp_any)
 
 HALVES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
@@ -167,8 +167,9 @@ def test_ex2_fma_is_2_to_the_x_within_its_bound_and_0_below_minus_127(arrays, mo
 
 
 @cuda.jit
-def group_kernel(x, mx4, sum16, sum32, vec):
+def group_kernel(x, mx4, sum16, sum32, vec, votes):
     lane = cuda.threadIdx.x
+    votes[lane] = 2 * warp_any(x[lane] > x[7]) + warp_any(x[lane] > x[7] + 1e30)
     mx4[lane] = group_max(x[lane], 4)
     sum16[lane] = group_sum(x[lane], 16)
     sum32[lane] = group_sum(x[lane], 32)
@@ -179,9 +180,10 @@ def group_kernel(x, mx4, sum16, sum32, vec):
 def test_group_reductions_and_vector_loads(arrays):
     to_device, to_host = arrays
     x = np.random.default_rng(2).standard_normal(32).astype(np.float32)
-    outs = [to_device(np.zeros(32, np.float32)) for _ in range(4)]
+    outs = [to_device(np.zeros(32, np.float32)) for _ in range(5)]
     group_kernel[1, 32](to_device(x), *outs)
-    mx4, sum16, sum32, vec = (to_host(o) for o in outs)
+    mx4, sum16, sum32, vec, votes = (to_host(o) for o in outs)
+    np.testing.assert_array_equal(votes, np.full(32, 2.0))  # some lane's x exceeds lane 7's; none by 1e30
     np.testing.assert_array_equal(mx4, np.repeat(x.reshape(8, 4).max(axis=1), 4))
     rounding = 1e-6 * np.abs(x).sum()  # float32 sums in butterfly order, against NumPy's pairwise order
     np.testing.assert_allclose(sum16, np.repeat(x.reshape(2, 16).sum(axis=1), 16), atol=rounding)

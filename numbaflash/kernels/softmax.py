@@ -27,7 +27,11 @@ whole arrays), after ``start(acc, m_i, l_i)``, which sets a block's output to 0,
   which earlier sums and outputs shrink, ``s`` exponentiated in place (``P``), and the running sums ``l_i`` (a
   lane's partial sum; the quad adds them at the end), unless the tensor cores sum P (``row_sums``). A row's
   maximum moves only where the tile's exceeds it by more than ``RESCALE_LOG2`` (base 2;
-  `sim.online_softmax.update`'s ``threshold``), else its ``alpha`` is 1 and P reaches up to 2^8. Scores stay raw:
+  `sim.online_softmax.update`'s ``threshold``), else its ``alpha`` is 1 and P reaches up to 2^8. Each lane tests
+  its own scores against that first, and a warp none of whose lanes sees a move (``warp_any``) skips the quad's
+  reduction, two shuffles a row: the plain v5 forward ran 2-7% faster at headdim 64 and 4-7% at 128 (H100, fp16 and
+  bf16, N = 16384, three paired runs, .bench/vote_ab.py). With ``bounded_max`` (softcap alone: its bound, less
+  ``RESCALE_LOG2``, is every row's maximum, `tiling.fixed_maximum`) no maximum is formed. Scores stay raw:
   ``softmax_scale * log2(e)`` is folded into the exponent's FMA, and the exponential is the hardware's ex2 (in
   ``fma_chunks`` of each row's 8-key chunks a polynomial on the FMA pipe, `ex2_fma`, where the special-function
   unit is what bounds the kernel: softcap's tanh at headdim 64, `tiling.WGMMA_SOFTCAP_TILES`). A scale <= 0
@@ -54,7 +58,7 @@ from numba import types
 
 from .. import masks
 from ..mods import NONE
-from .intrinsics import device_function, ex2, ex2_fma, group_max, group_sum, tanh_approx
+from .intrinsics import device_function, ex2, ex2_fma, group_max, group_sum, tanh_approx, warp_any
 from . import key_tiles
 from .fragments import fill, lane_row
 from .mods import alibi_columns_offset, alibi_columns_side, alibi_columns_units, alibi_side, modifiers
@@ -88,7 +92,9 @@ def steps(M, NT, DT, mods=NONE, fma_chunks=0, alibi_columns=False, row_sums=Fals
     kernel's tensor cores add ALiBi alone's column term to the scores of tiles on one side of a warpgroup's
     diagonal (`wgmma.alibi_columns`), which then stay in the units of `kernels.mods.alibi_columns_units`.
     ``row_sums`` (one m-tile): the kernel's tensor cores sum each row's P into 8 more output columns, the
-    accumulators' row block ``DT`` (`wgmma.row_sums`), which the steps scale with O and take l from."""
+    accumulators' row block ``DT`` (`wgmma.row_sums`), which the steps scale with O and take l from.
+    ``bounded_max`` (softcap alone; other modifications ignore it): softcap's bound, less ``RESCALE_LOG2``, is every
+    row's maximum (`tiling.fixed_maximum` says where that holds)."""
     M_ROWS = 2 * M
     if row_sums and M != 1:
         raise ValueError(f"row sums from the tensor cores are a warpgroup's, one m-tile a warp; got {M} m-tiles")
@@ -265,12 +271,11 @@ def steps(M, NT, DT, mods=NONE, fma_chunks=0, alibi_columns=False, row_sums=Fals
                 for r in range(M_ROWS):
                     shift[r, 0] *= sign
             scale_log2 = effective_scale(scale_log2)
+        if not BOUNDED:
+            new_maxima(s, shift, m_i, alpha, scale_log2)
         for r in range(M_ROWS):
             mi, half = r // 2, r % 2
-            if BOUNDED:
-                even_base = odd_base = scale_log2 - RESCALE_LOG2
-            else:
-                even_base, odd_base = row_bases(s, shift, m_i, alpha, r, scale_log2)
+            even_base, odd_base = bases(shift, m_i, r, scale_log2)
             row_sum = ZERO
             for j in range(mi * NT, mi * NT + NT):
                 for e in range(2):
@@ -283,35 +288,52 @@ def steps(M, NT, DT, mods=NONE, fma_chunks=0, alibi_columns=False, row_sums=Fals
                 l_i[r] = l_i[r] + row_sum if BOUNDED else l_i[r] * alpha[r] + row_sum
 
     @device_function
-    def row_bases(s, shift, m_i, alpha, r, scale_log2):
-        # row r's new running maximum and its alpha; returns the exponent's bases of its even and odd columns
+    def lane_max(s, shift, r):
+        """The largest of row ``r``'s scores in this lane (with `shift`'s row terms)."""
         mi, half = r // 2, r % 2
         if PARITY_SHIFT:  # a row's scores of each column parity, plus that parity's `shift`
             even, odd = s[mi * NT, 2 * half], s[mi * NT, 2 * half + 1]
             for j in range(mi * NT, mi * NT + NT):
                 even, odd = max(even, s[j, 2 * half]), max(odd, s[j, 2 * half + 1])
-            row_max = max(even + shift[r, 0], odd + shift[r, 1])
-        else:
-            row_max = s[mi * NT, 2 * half]
-            for j in range(mi * NT, mi * NT + NT):
-                row_max = max(row_max, max(s[j, 2 * half], s[j, 2 * half + 1]))
-            if COLUMNS:
-                row_max += shift[r, 0]
-        m_tile = max(m_i[r], group_max(row_max, 4))
-        # The maximum moves only past RESCALE_LOG2: +inf at a row's first visible key, NaN (no move) while it has
-        # seen only hidden ones, whose m = -inf is exponentiated against 0.
-        if (m_tile - m_i[r]) * scale_log2 > RESCALE_LOG2:
-            alpha[r] = ex2(m_i[r] * scale_log2 - m_tile * scale_log2)
-            m_i[r] = m_tile
-        else:
-            alpha[r] = ONE
+            return max(even + shift[r, 0], odd + shift[r, 1])
+        row_max = s[mi * NT, 2 * half]
+        for j in range(mi * NT, mi * NT + NT):
+            row_max = max(row_max, max(s[j, 2 * half], s[j, 2 * half + 1]))
+        return row_max + shift[r, 0] if COLUMNS else row_max
+
+    @device_function
+    def new_maxima(s, shift, m_i, alpha, scale_log2):
+        # A row's maximum moves only past RESCALE_LOG2: +inf at a row's first visible key, NaN (no move) while it has
+        # seen only hidden ones, whose m = -inf is exponentiated against 0. Each lane first tests its own scores, so
+        # the quad's reduction (two shuffles a row) runs only in a warp some row of which moves: a tile's maximum
+        # past a lane's is another lane's, which tests it.
+        moved = False
+        for r in range(M_ROWS):
+            alpha[r] = lane_max(s, shift, r)  # the lane's maximum until the quad's below
+            moved = moved or (alpha[r] - m_i[r]) * scale_log2 > RESCALE_LOG2
+        if not warp_any(moved):
+            for r in range(M_ROWS):
+                alpha[r] = ONE
+            return
+        for r in range(M_ROWS):
+            m_tile = max(m_i[r], group_max(alpha[r], 4))
+            if (m_tile - m_i[r]) * scale_log2 > RESCALE_LOG2:
+                alpha[r] = ex2(m_i[r] * scale_log2 - m_tile * scale_log2)
+                m_i[r] = m_tile
+            else:
+                alpha[r] = ONE
+
+    @device_function
+    def bases(shift, m_i, r, scale_log2):
+        """The exponent's bases of row ``r``'s even and odd columns."""
+        if BOUNDED:  # softcap's bound, less RESCALE_LOG2, for every row's maximum (`tiling.fixed_maximum`)
+            return scale_log2 - RESCALE_LOG2, scale_log2 - RESCALE_LOG2
         base = m_i[r] * scale_log2 if m_i[r] != NEG_INF else ZERO
-        even_base, odd_base = base, base
         if PARITY_SHIFT:
-            even_base, odd_base = base - shift[r, 0] * scale_log2, base - shift[r, 1] * scale_log2
-        elif COLUMNS:
-            even_base = odd_base = base - shift[r, 0] * scale_log2
-        return even_base, odd_base
+            return base - shift[r, 0] * scale_log2, base - shift[r, 1] * scale_log2
+        if COLUMNS:
+            return base - shift[r, 0] * scale_log2, base - shift[r, 0] * scale_log2
+        return base, base
 
     @device_function
     def rescale_o(acc, alpha):

@@ -8,6 +8,7 @@ every kernel that uses them runs in CI on the CPU. `target` says which mode this
 * ``group_max(value, width)``, ``group_sum(value, width)``: reduce over each aligned group of ``width``
   lanes (a power of two dividing 32) and give every lane the result: a butterfly of shuffles on the
   GPU, one exchange under the simulator.
+* ``warp_any(predicate)``: whether ``predicate`` holds in any lane of the warp, in every lane (``vote.any``).
 * ``warp_uniform(value)``: a value every lane of the warp holds, as lane 0's (one shuffle), so that the
   compiler keeps what follows from it in uniform registers (CUTLASS's canonical warpgroup index).
 * ``load2(arr, i)``, ``load4(arr, i)``: one vector load of n consecutive elements as a tuple: of a 1-D

@@ -23,6 +23,10 @@ def _group(value, width):
 def group_max(value, width):
     return max(_group(value, width))
 
+def warp_any(predicate):
+    lanes, _ = exchange(bool(predicate))
+    return any(lanes)
+
 def warp_uniform(value):
     return value  # every lane passes the same value, and the simulator has no uniform registers
 

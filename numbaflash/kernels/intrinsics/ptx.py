@@ -22,6 +22,10 @@ def group_max(value, width):
     return value
 
 @device_function
+def warp_any(predicate):
+    return cuda.any_sync(0xFFFFFFFF, predicate)
+
+@device_function
 def group_sum(value, width):
     offset = width // 2
     while offset > 0:
