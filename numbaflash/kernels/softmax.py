@@ -29,7 +29,7 @@ whole arrays), after ``start(acc, m_i, l_i)``, which sets a block's output to 0,
   maximum moves only where the tile's exceeds it by more than ``RESCALE_LOG2`` (base 2;
   `sim.online_softmax.update`'s ``threshold``), else its ``alpha`` is 1 and P reaches up to 2^8. Each lane tests
   its own scores against that first, and a warp none of whose lanes sees a move (``warp_any``) skips the quad's
-  reduction, two shuffles a row: the plain v5 forward ran 2-7% faster at headdim 64 and 4-7% at 128 (H100, fp16 and
+  reduction, two shuffles a row: the plain v5 forward ran 2-6% faster at headdim 64 and 4-7% at 128 (H100, fp16 and
   bf16, N = 16384, three paired runs, .bench/vote_ab.py). With ``bounded_max`` (softcap alone: its bound, less
   ``RESCALE_LOG2``, is every row's maximum, `tiling.fixed_maximum`) no maximum is formed. Scores stay raw:
   ``softmax_scale * log2(e)`` is folded into the exponent's FMA, and the exponential is the hardware's ex2 (in
@@ -305,8 +305,8 @@ def steps(M, NT, DT, mods=NONE, fma_chunks=0, alibi_columns=False, row_sums=Fals
     def new_maxima(s, shift, m_i, alpha, scale_log2):
         # A row's maximum moves only past RESCALE_LOG2: +inf at a row's first visible key, NaN (no move) while it has
         # seen only hidden ones, whose m = -inf is exponentiated against 0. Each lane first tests its own scores, so
-        # the quad's reduction (two shuffles a row) runs only in a warp some row of which moves: a tile's maximum
-        # past a lane's is another lane's, which tests it.
+        # the quad's reduction (two shuffles a row) runs only in a warp some row of which moves: a row's tile maximum
+        # is one lane's own, and that lane's test is the same comparison.
         moved = False
         for r in range(M_ROWS):
             alpha[r] = lane_max(s, shift, r)  # the lane's maximum until the quad's below
