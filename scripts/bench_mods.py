@@ -1,7 +1,7 @@
 """Benchmark the score and mask modifications against the same call without them (GPU).
 
-For each head dim and sequence length (float16, 16 heads, batch x seqlen = 16384), in one run: the plain
-kernel, softcap, ALiBi, both, a per-head temperature as a score_mod, a mask_mod equal to causal (dense,
+For each head dim and sequence length (float16, or --dtype bfloat16; 16 heads, batch x seqlen = 16384), in one
+run: the plain kernel, softcap, ALiBi, both, a per-head temperature as a score_mod, a mask_mod equal to causal (dense,
 and through a block mask) against the built-in causal, and 8 equal documents (causal inside each,
 through a block mask) against dense causal attention; forward and backward; each reported as its time
 over the plain (or built-in causal) kernel's, with torch SDPA flash's time for scale (dense, causal
@@ -13,6 +13,7 @@ tests' job; this guards the timings against a kernel that computes something els
     python scripts/bench_mods.py --seqlens 2048 --headdims 64
     python scripts/bench_mods.py --timing stream   # calls back to back, as bench.py --timing stream
     python scripts/bench_mods.py --flex            # also torch's FlexAttention, plain and with softcap
+    python scripts/bench_mods.py --dtype bfloat16  # where softcap takes its bound as every row's maximum
 
 With --flex the same run times torch's FlexAttention (compiled Triton kernels) without and with softcap as a
 score_mod: its softcap's cost over its own plain kernel is the yardstick for numbaflash's.
@@ -116,15 +117,15 @@ def flex_rows(torch, q, k, v, dout, passes, row_of):
     return rows
 
 
-def run(headdim, seqlen, passes, with_flex=False):
+def run(headdim, seqlen, passes, with_flex=False, dtype="float16"):
     import torch
 
     import numbaflash
 
     batch = max(1, TOKENS // seqlen)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, dout = (torch.randn(batch, seqlen, NHEADS, headdim, device="cuda", dtype=torch.float16, generator=gen)
-                     for _ in range(4))
+    q, k, v, dout = (torch.randn(batch, seqlen, NHEADS, headdim, device="cuda", dtype=getattr(torch, dtype),
+                                 generator=gen) for _ in range(4))
     rows = []
     qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
     compare = {}
@@ -132,7 +133,7 @@ def run(headdim, seqlen, passes, with_flex=False):
     for name, options, over in rows_of + block_masks(torch, seqlen):
         compare[name] = over
         causal = options.get("causal", False) or "mask_mod" in options or "block_mask" in options
-        row = dict(headdim=headdim, seqlen=seqlen, batch=batch, variant=name)
+        row = dict(headdim=headdim, seqlen=seqlen, batch=batch, dtype=dtype, variant=name)
         if seqlen <= 4096:
             row["max_error_one_head"] = check_one_head(torch, q, k, v, options)
         for backward in passes:
@@ -174,6 +175,7 @@ def main():
     parser.add_argument("--timing", choices=["call", "stream"], default="call",
                         help="each call alone (its host time included), or calls back to back (bench.py's --timing)")
     parser.add_argument("--flex", action="store_true", help="also time torch's FlexAttention, plain and with softcap")
+    parser.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
     import torch
@@ -182,11 +184,11 @@ def main():
 
     bench.TIMING = args.timing
 
-    print(f"device: {torch.cuda.get_device_name()}")
+    print(f"device: {torch.cuda.get_device_name()}, {args.dtype}")
     rows = []
     for headdim in args.headdims:
         for seqlen in args.seqlens:
-            for row in run(headdim, seqlen, [p == "backward" for p in args.passes], args.flex):
+            for row in run(headdim, seqlen, [p == "backward" for p in args.passes], args.flex, args.dtype):
                 rows.append(row)
                 cells = [f"d={headdim:<4} N={seqlen:<6} {row['variant']:<22}"]
                 for key in ("forward", "backward"):
