@@ -233,7 +233,8 @@ def _check_plan(plan, call, direction, lse=False):
             call.dtype, call.softcap):
         raise ValueError(f"plan takes softcap's bound for each row's maximum (tiles.bounded_max), which holds for "
                          f"bfloat16 with softcap * log2(e) <= {tiling.BOUNDED_MAX_LOG2:g}; got {call.dtype}, softcap "
-                         f"{call.softcap:g}: make the call's plan with tiling.make_plan(..., softcap_alone=True, softcap=its softcap)")
+                         f"{call.softcap:g}: make the call's plan with tiling.make_plan(..., softcap_alone=True, "
+                         "softcap=its softcap)")
     expected = (direction, call.dtype, call.batch, call.nheads, call.nheads_kv, call.seqlen_q, call.seqlen_k, call.headdim)
     got = (plan.direction, plan.dtype, plan.batch, plan.nheads, plan.nheads_kv, plan.seqlen_q, plan.seqlen_k, plan.headdim)
     if got != expected:
