@@ -104,7 +104,7 @@ def inspect(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), nam
         call.q, call.k, call.v = ops
         if mod_arrays:  # this call's slopes and mod_args, of the layouts checked before
             slopes = mod_arrays[0] if call.mods.alibi else None
-            call.mod_values = _mod_values(call, modifications.get("softcap", 0.0), slopes, mod_arrays[slopes is not None:])
+            call.mod_values = _mod_values(call, call.softcap, slopes, mod_arrays[slopes is not None:])
         return call
     ndims = [len(op.shape) for op in ops]
     if not (all(n == 4 for n in ndims) or all(n == 2 for n in ndims)):

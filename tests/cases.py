@@ -257,8 +257,14 @@ def check_forward(case, attention, to_device, to_host):
     assert_close_as_flash_attn("out", out, naive_out, want_out, case.dtype, case)
     lse_dtype = "float64" if case.dtype == "float64" else "float32"
     assert_close_as_flash_attn("lse", lse, naive_lse, want_lse, lse_dtype, case,
-                               floor=2 * eps(lse_dtype) * (dot_product_scale(q, k, case)
-                                                           + float(np.abs(want_lse[np.isfinite(want_lse)]).max(initial=0.0))))
+                               floor=lse_floor(q, k, want_lse, lse_dtype, case))
+
+
+def lse_floor(q, k, want_lse, lse_dtype, case):
+    """The LSE's floor in flash-attn's rule (the module docstring): two ulps of the largest LSE plus the rounding
+    bound of one score's dot product."""
+    return 2 * eps(lse_dtype) * (dot_product_scale(q, k, case) + float(np.abs(want_lse[np.isfinite(want_lse)]).max(
+        initial=0.0)))
 
 
 def naive_backward(dout, q, k, v, case):

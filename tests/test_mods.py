@@ -23,7 +23,7 @@ from numbaflash import block_sparsity, masks, reference, tiling
 from numbaflash.kernels import key_tiles
 from numbaflash.mods import Mods
 from cases import (NP_DTYPES, Case, assert_close_as_flash_attn, check_backward, check_forward, check_gradients,
-                   dot_product_scale, eps, inputs, naive_forward, reference_forward)
+                   inputs, lse_floor, naive_forward, reference_forward)
 from test_scale_and_nan import FAMILIES, forward_of
 
 # Small enough for the simulator (a CUDA thread is a Python thread): two batch elements and two heads, so
@@ -338,10 +338,9 @@ def test_softcap_bound_as_every_rows_maximum(name, arrays, poisoned):
         out, want, naive_out = (np.where(rows[..., None], 0, x) for x in (out, want, naive_out))
         lse, want_lse, naive_lse = (np.where(rows.transpose(0, 2, 1), 0, x) for x in (lse, want_lse, naive_lse))
     assert_close_as_flash_attn("out", out, naive_out, want, case.dtype, case)
-    if lse is not None:  # `cases.check_forward`'s floor, over the scores without the NaN
-        products = dot_product_scale(np.nan_to_num(q.astype(np.float32)), k, case)
-        assert_close_as_flash_attn("lse", lse, naive_lse, want_lse, "float32", case, floor=2 * eps("float32") * (
-            products + float(np.abs(want_lse[np.isfinite(want_lse)]).max(initial=0.0))))
+    if lse is not None:  # the floor over the scores without the NaN
+        assert_close_as_flash_attn("lse", lse, naive_lse, want_lse, "float32", case,
+                                   floor=lse_floor(np.nan_to_num(q.astype(np.float32)), k, want_lse, "float32", case))
 
 
 def test_the_softmax_and_the_kernel_find_the_same_side_of_the_diagonal():
