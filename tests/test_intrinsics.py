@@ -10,7 +10,7 @@ from numbaflash.kernels.intrinsics import (SIMULATOR, bulk_load, cp_async_16, cp
                                            ldmatrix_x4_trans, load4, mbarrier_arrive, mbarrier_arrive_expect_tx,
                                            mbarrier_init, mbarrier_try_wait,
                                            mma_bf16, mma_f16, named_barrier_arrive, named_barrier_sync,
-                                           pack_bf16, pack_f16, rcp, tanh_approx, warp_any)
+                                           pack_bf16, pack_f16, rcp, store2, tanh_approx, warp_any)
 
 HALVES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
@@ -189,6 +189,27 @@ def test_group_reductions_and_vector_loads(arrays):
     np.testing.assert_allclose(sum16, np.repeat(x.reshape(2, 16).sum(axis=1), 16), atol=rounding)
     np.testing.assert_allclose(sum32, np.full(32, x.sum()), atol=rounding)
     np.testing.assert_array_equal(vec, x)
+
+
+@cuda.jit
+def paired_store_kernel(out, shift):
+    lane = cuda.threadIdx.x
+    store2(out, (lane // 4, 2 * (lane % 4) + shift), np.uint16(lane), np.uint16(100 + lane))
+
+
+def test_paired_stores_write_both_elements_and_refuse_misaligned_ones(arrays, mode):
+    """store2: one store of two adjacent 16-bit elements (the tensor-core kernels' outputs); on the simulator a
+    pair not aligned to 4 bytes is refused, as the hardware would fault."""
+    to_device, to_host = arrays
+    out = to_device(np.zeros((8, 10), np.uint16))
+    paired_store_kernel[1, 32](out, 0)
+    lane = np.arange(32)
+    want = np.zeros((8, 10), np.uint16)
+    want[lane // 4, 2 * (lane % 4)], want[lane // 4, 2 * (lane % 4) + 1] = lane, 100 + lane
+    np.testing.assert_array_equal(to_host(out), want)
+    if mode == "simulator":
+        with pytest.raises(ValueError, match="not aligned to 4 bytes"):
+            paired_store_kernel[1, 32](out, 1)
 
 
 @device_function

@@ -15,7 +15,9 @@ every kernel that uses them runs in CI on the CPU. `target` says which mode this
   array from ``arr[i]``, or of an N-D one from ``arr[i]`` with ``i`` a tuple of indices (the last
   index runs). The caller guarantees alignment to the vector's size (at most 16 bytes). On shared
   memory this is one ``ld.shared.v4`` instead of n scalar loads, which keeps the register-tiled loops
-  fed; on global memory it is one 16-byte load per thread.
+  fed; on global memory it is one 16-byte load per thread. ``store2(arr, i, lo, hi)``: ``lo`` and ``hi`` into
+  ``arr[i]`` and the element after it in one store, aligned to both (the emulation refuses a misaligned one, as
+  the hardware faults).
 * ``float_bits(x)`` / ``bits_float(u)``: reinterpret float32 <-> uint32 (for bfloat16 conversion).
 
 Tensor cores (compute capability >= 8.0; register fragments as in the PTX ISA, lane = 4 g + t):

@@ -51,6 +51,15 @@ def load2(arr, i):
 def load4(arr, i):
     return _vector(arr, i, 4)
 
+def store2(arr, i, lo, hi):
+    # The hardware's one store of both elements faults unless it is aligned to their size: this refuses it alike.
+    index = i if isinstance(i, tuple) else (i,)
+    address = arr.__array_interface__["data"][0] + sum(int(x) * stride for x, stride in zip(index, arr.strides))
+    if address % (2 * arr.itemsize):
+        raise ValueError(f"store2 at {i}: the two elements are not aligned to {2 * arr.itemsize} bytes")
+    arr[i] = lo
+    arr[index[:-1] + (index[-1] + 1,) if isinstance(i, tuple) else i + 1] = hi
+
 def float_bits(x):
     return np.array(x, dtype=np.float32).view(np.uint32)[()]
 

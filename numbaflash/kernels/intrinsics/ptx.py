@@ -74,6 +74,23 @@ def _vector_load(n):
 load2 = _vector_load(2)
 load4 = _vector_load(4)
 
+@intrinsic
+def store2(typingctx, arr, i, lo, hi):
+    if not isinstance(arr, types.Array) or not _indexes(arr, i):
+        return None
+    sig = types.void(arr, i, arr.dtype, arr.dtype)
+
+    def codegen(context, builder, sig, args):
+        ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        element = context.get_data_type(sig.args[0].dtype)
+        vec = ir.Constant(ir.VectorType(element, 2), ir.Undefined)
+        for k, value in enumerate(args[2:]):
+            vec = builder.insert_element(vec, value, ir.Constant(ir.IntType(32), k))
+        builder.store(vec, builder.bitcast(ptr, vec.type.as_pointer()), align=2 * context.get_abi_sizeof(element))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
 def _asm(builder, signature_types, ret, template, constraints, args, side_effect):
     fnty = ir.FunctionType(ret, signature_types)
     return builder.call(ir.InlineAsm(fnty, template, constraints, side_effect=side_effect), args)

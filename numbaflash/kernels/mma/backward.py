@@ -29,6 +29,7 @@ from ..blocks import key_block, query_block, tensor_core_backward
 from ..gradients import row_steps, stats_stager, transposed_steps
 from ..intrinsics import cp_async_commit, cp_async_wait_all, cp_async_wait_one
 from ..fragments import fill, fragment_writer
+from .forward import PAIRED_STORES
 from ..key_tiles import key_tiles, verdict_slot
 from ..mods import modifiers
 from ..query_tiles import query_tiles
@@ -86,7 +87,7 @@ def build_dkdv(D, tiles, storage, mods=NONE):
     M_NT, M_DT = M * NT, M * DT  # fragment rows of S and dK
     stage = stager(D, THREADS)
     scores, accumulate = products(CHUNK, D, storage, M)
-    write_grad = fragment_writer(D, storage)
+    write_grad = fragment_writer(D, storage, paired=PAIRED_STORES)
     modifier = modifiers(mods, types.float32, fast=True)
     prepare, natural = modifier.prepare, modifier.natural
     probabilities, ds = transposed_steps(M, NT, mods)
@@ -194,7 +195,7 @@ def build_dq(D, tiles, storage, mods=NONE):
     M_NT, M_DT, M_ROWS = M * NT, M * DT, 2 * M  # fragment rows of S and dQ; a lane's rows (g, g + 8 per m-tile)
     stage = stager(D, THREADS)
     scores, accumulate = products(CHUNK, D, storage, M)
-    write_grad = fragment_writer(D, storage)
+    write_grad = fragment_writer(D, storage, paired=PAIRED_STORES)
     modifier = modifiers(mods, types.float32, fast=True)
     prepare, natural = modifier.prepare, modifier.natural
     rows, ds = row_steps(M, NT, mods)

@@ -23,6 +23,11 @@ from ..sequences import sequences
 from ..mods import kernel_type, modifiers
 from ..softmax import steps
 
+# The mma.sync kernels write their outputs two bytes a store: with `fragments.fragment_writer`'s 4-byte stores
+# beside them, accumulators went to local memory (ptxas 13.0, sm_90: 256 bytes of stack in the dK/dV kernel at headdim
+# 32, 512-528 in the forward at 128 and 256 and the dQ kernel at 128), where the wgmma kernels kept none.
+PAIRED_STORES = False
+
 
 def layout(D, tiles):
     """Row stride (halves) and offsets of Q (block_m rows), K (two stages) and V (two stages)."""
@@ -47,7 +52,7 @@ def build(D, tiles, storage, mods=NONE):
     M_DT, M_NT, M_ROWS = M * DT, M * NT, 2 * M  # fragment rows of O and S; a lane's rows (g and g + 8 per m-tile)
     stage = stager(D, THREADS)
     scores, accumulate = products(BLOCK_N, D, storage, M)
-    write_out = fragment_writer(D, storage)
+    write_out = fragment_writer(D, storage, paired=PAIRED_STORES)
     prepare = modifiers(mods, types.float32, fast=True).prepare
     start, mask, online_softmax, rescale_o, finish, write_lse = steps(M, NT, DT, mods)
     tile_count, tile_start, tile_full = key_tiles(mods, BLOCK_M, BLOCK_N)
