@@ -58,6 +58,18 @@ def test_tensor_core_forward_by_hand():
     assert kernel.load_bytes == kernel.tma_bytes == 0
 
 
+def test_wgmma_outputs_go_out_in_four_byte_stores():
+    # The same head on v5's 128-row blocks: O's column pairs go out in 32-bit stores (`kernels.fragments`), 8 rows
+    # x 16 bytes per instruction, a sector each: twice its 16 KiB, where mma.sync's 16-bit stores cost four times.
+    # With an odd head dim no row is 4-byte aligned: 16-bit stores, each instruction's 8 rows x 8 bytes at least a
+    # sector per row, so at least four times O's 128 x 126 bytes.
+    tiles = tiling.WgmmaTiles(128, 64, 2, producer=True, tma=True)
+    (kernel,) = traffic(1, 1, 1, 128, 128, 64, "float16", tiles=tiles)
+    assert kernel.store_bytes == 2 * 16384 + 512
+    (odd,) = traffic(1, 1, 1, 128, 128, 63, "float16", tiles=tiles)
+    assert odd.store_bytes >= 4 * 128 * 126 + 512
+
+
 def test_masked_key_tiles_are_not_loaded():
     # Causal, N = 256: rows 128-255 see keys 0-255 (four tiles of 64), rows 0-127 keys 0-127 (two tiles).
     (kernel,) = traffic(1, 1, 1, 256, 256, 64, "float16", tiles=tiling.MMA_TILES[64], causal=True)

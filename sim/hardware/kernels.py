@@ -13,6 +13,7 @@ import numpy as np
 
 from numbaflash import masks
 from numbaflash.tiling import MmaTiles, WgmmaTiles
+from numbaflash.kernels.mma.forward import PAIRED_STORES
 from numbaflash.kernels.simt.backward import STAGED_ROWS_PER_WARP
 from numbaflash.kernels.simt.tiles import vector_width
 
@@ -146,10 +147,14 @@ def _hidden(ledger, ops, b, h, row_start, row_end):
 def _tensor_core_outputs(ledger, plan, out, lse, b, h, row0, warps, rows_per_warp, name):
     """O (or dQ, dK, dV) fragments of every warp of a block, and with ``lse`` its rows' LSE."""
     m_tiles, D = rows_per_warp // 16, plan.headdim_padded
+    paired = True if isinstance(plan.tiles, WgmmaTiles) else PAIRED_STORES  # as the kernels' writers
     key = ("fragments", name, warps, m_tiles, D, *_rows_key(out, b, h, row0, warps * rows_per_warp))
-    stores = np.concatenate([patterns.fragment_stores(out, b, h, row0 + w * rows_per_warp, m_tiles, D)
-                             for w in range(warps)]) if key not in ledger._costs else None
-    ledger.charge("store", (name, b, h, row0), key, _load(out, stores, 2))
+    stores, size = None, 2
+    if key not in ledger._costs:
+        warp_stores = [patterns.fragment_stores(out, b, h, row0 + w * rows_per_warp, m_tiles, D, paired)
+                       for w in range(warps)]
+        stores, size = np.concatenate([a for a, _ in warp_stores]), warp_stores[0][1]
+    ledger.charge("store", (name, b, h, row0), key, _load(out, stores, size))
     if lse is not None:
         key = ("lse", warps, m_tiles, *_stat_key(lse, b, h, row0, warps * rows_per_warp))
         lses = (np.concatenate([patterns.lse_stores(lse, b, h, row0 + w * rows_per_warp, m_tiles) for w in range(warps)])

@@ -125,12 +125,16 @@ def _fragment_lanes(m_tiles, columns):
     return tuple(x.reshape(shape) for x in (mi, half, j, e, g, t))
 
 
-def fragment_stores(op, b, h, warp_row, m_tiles, D):
-    """`kernels.fragments.fragment_writer`: one 16-bit store per element, lane ``4 g + t`` writing rows ``g``
-    and ``g + 8`` of each m-tile, columns ``8 j + 2 t`` and ``+ 1``; rows and columns outside dropped."""
+def fragment_stores(op, b, h, warp_row, m_tiles, D, paired):
+    """`kernels.fragments.fragment_writer`: ``(addresses, bytes a lane stores)``, lane ``4 g + t`` writing rows
+    ``g`` and ``g + 8`` of each m-tile, columns ``8 j + 2 t`` and ``+ 1``: with ``paired`` where every row is 4-byte
+    aligned, one 32-bit store per column pair, else one 16-bit store per element; rows and columns outside dropped."""
     mi, half, j, e, g, t = _fragment_lanes(m_tiles, D)
     row, col = warp_row + 16 * mi + g + 8 * half, 8 * j + 2 * t + e
-    return np.where((row < op.seqlen) & (col < op.shape[3]), op.at(b, row, h, col), -1)
+    stores = np.where((row < op.seqlen) & (col < op.shape[3]), op.at(b, row, h, col), -1)
+    if paired and all(s % 4 == 0 for s in op.strides[:3]) and op.strides[3] == 2 and op.offset % 4 == 0:
+        return stores[e[:, 0] == 0], 4  # the pair's first element; an even head dim leaves no pair half outside
+    return stores, 2
 
 
 def quad_rows(warp_row, m_tiles):
