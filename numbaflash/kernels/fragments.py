@@ -24,6 +24,14 @@ def lane_row(r, g):
     return 16 * (r // 2) + g + 8 * (r % 2)
 
 
+@device_function
+def rows_aligned(strides):
+    """Whether each row of a (batch, seqlen, heads, headdim) array of 16-bit elements with byte ``strides``, its
+    first element 4-byte aligned (as the library allocates its outputs), starts 4-byte aligned: where `store2`
+    may write its column pairs (the kernels' `fragment_writer` and `sim.hardware`'s model of it ask this)."""
+    return strides[0] % 4 == 0 and strides[1] % 4 == 0 and strides[2] % 4 == 0 and strides[3] == 2
+
+
 def fragment_writer(D, storage, paired=True):
     """``write(dst, b, row0, h, acc, mi, scale_g, scale_g8, g, t)``: m-tile ``mi``'s 16 x D fragments (rows
     ``mi * D / 8 ..`` of ``acc``), rows ``g`` and ``g + 8`` times ``scale_g`` and ``scale_g8``, rounded to
@@ -36,12 +44,10 @@ def fragment_writer(D, storage, paired=True):
 
     @device_function
     def write(dst, b, row0, h, acc, mi, scale_g, scale_g8, g, t):
-        # A lane's column pair in one 4-byte store where every row is 4-byte aligned: the outputs are the library's
-        # allocations, which start aligned, and the strides say whether each row (a varlen sequence's too) does,
-        # as they do with an even head dim. Two 2-byte stores, each behind its own bound test: the v5 forward at
-        # headdim 128 and N = 1024 took 0.349-0.352 ms against 0.310-0.317 (H100, two paired runs)
-        aligned = (PAIRED and dst.strides[0] % 4 == 0 and dst.strides[1] % 4 == 0 and dst.strides[2] % 4 == 0
-                   and dst.strides[3] == 2)
+        # A lane's column pair in one 4-byte store where every row is 4-byte aligned (`rows_aligned`: with an even
+        # head dim, a varlen sequence's rows too). Two 2-byte stores, each behind its own bound test: the v5 forward
+        # at headdim 128 and N = 1024 took 0.349-0.352 ms against 0.310-0.317 (H100, two paired runs)
+        aligned = PAIRED and rows_aligned(dst.strides)
         for half in range(2):
             row = row0 + g + 8 * half
             scale = scale_g8 if half else scale_g

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from numbaflash.kernels.fragments import rows_aligned
+
 LANES = 32
 ALIGN = 1024  # allocations start at least this aligned; counts only see addresses modulo 128
 
@@ -132,7 +134,7 @@ def fragment_stores(op, b, h, warp_row, m_tiles, D, paired):
     mi, half, j, e, g, t = _fragment_lanes(m_tiles, D)
     row, col = warp_row + 16 * mi + g + 8 * half, 8 * j + 2 * t + e
     stores = np.where((row < op.seqlen) & (col < op.shape[3]), op.at(b, row, h, col), -1)
-    if paired and all(s % 4 == 0 for s in op.strides[:3]) and op.strides[3] == 2 and op.offset % 4 == 0:
+    if paired and op.offset % 4 == 0 and rows_aligned(op.strides):
         return stores[e[:, 0] == 0], 4  # the pair's first element; an even head dim leaves no pair half outside
     return stores, 2
 
