@@ -149,12 +149,13 @@ def _tensor_core_outputs(ledger, plan, out, lse, b, h, row0, warps, rows_per_war
     m_tiles, D = rows_per_warp // 16, plan.headdim_padded
     paired = True if isinstance(plan.tiles, WgmmaTiles) else PAIRED_STORES  # as the kernels' writers
     key = ("fragments", name, warps, m_tiles, D, *_rows_key(out, b, h, row0, warps * rows_per_warp))
-    stores, size = None, 2
-    if key not in ledger._costs:
+
+    def make():
         warp_stores = [patterns.fragment_stores(out, b, h, row0 + w * rows_per_warp, m_tiles, D, paired)
                        for w in range(warps)]
-        stores, size = np.concatenate([a for a, _ in warp_stores]), warp_stores[0][1]
-    ledger.charge("store", (name, b, h, row0), key, _load(out, stores, size))
+        return _load(out, np.concatenate([stores for stores, _ in warp_stores]), warp_stores[0][1])()
+
+    ledger.charge("store", (name, b, h, row0), key, make)
     if lse is not None:
         key = ("lse", warps, m_tiles, *_stat_key(lse, b, h, row0, warps * rows_per_warp))
         lses = (np.concatenate([patterns.lse_stores(lse, b, h, row0 + w * rows_per_warp, m_tiles) for w in range(warps)])

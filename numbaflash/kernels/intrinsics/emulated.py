@@ -40,10 +40,12 @@ def group_sum(value, width):
         offset //= 2
     return values[lane]
 
+def _along(i, x):
+    """Index ``i`` (an integer, or a tuple of them) moved ``x`` elements along the last axis."""
+    return i[:-1] + (i[-1] + x,) if isinstance(i, tuple) else i + x
+
 def _vector(arr, i, n):
-    if isinstance(i, tuple):
-        return tuple(arr[i[:-1] + (i[-1] + x,)] for x in range(n))
-    return tuple(arr[i + x] for x in range(n))
+    return tuple(arr[_along(i, x)] for x in range(n))
 
 def load2(arr, i):
     return _vector(arr, i, 2)
@@ -57,8 +59,7 @@ def store2(arr, i, lo, hi):
     address = arr.__array_interface__["data"][0] + sum(int(x) * stride for x, stride in zip(index, arr.strides))
     if address % (2 * arr.itemsize):
         raise ValueError(f"store2 at {i}: the two elements are not aligned to {2 * arr.itemsize} bytes")
-    arr[i] = lo
-    arr[index[:-1] + (index[-1] + 1,) if isinstance(i, tuple) else i + 1] = hi
+    arr[i], arr[_along(i, 1)] = lo, hi
 
 def float_bits(x):
     return np.array(x, dtype=np.float32).view(np.uint32)[()]
