@@ -339,6 +339,8 @@ WGMMA_CP_ASYNC_TILES = {64: WgmmaTiles(128, 112, 2), 128: WgmmaTiles(128, 64, 2)
 # and their backward (64 x 64) 1.183 against 1.297 ms, while dense causal stayed at 1.36 ms forward (three
 # consumers: 1.35) and 4.30 backward. At headdim 128 the forward's blocks already did as well (5.35x against
 # 5.28x) and the dK/dV pass of one consumer spills 196 bytes at 128 registers (ptxas 13.0).
+# Taken for every block mask: with more tiles per block the dense plan's tiles gained nothing forward (causal as a
+# block mask 1.355 -> 1.375 ms, 4 documents 0.424 -> 0.419) and 3% backward at most (H100, .bench/shared_cross.py).
 WGMMA_BLOCK_SPARSE_TILES = {64: WgmmaTiles(64, 128, 1, producer=True, tma=True, blocks_per_sm=2)}
 WGMMA_BLOCK_SPARSE_BACKWARD_TILES = {64: WgmmaTiles(64, 64, 1, producer=True, tma=True, blocks_per_sm=2)}
 SHARED_BLOCKS_REASON = ("a block mask leaves each block few tiles: blocks of one consumer warpgroup, two per "
