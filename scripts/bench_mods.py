@@ -14,6 +14,11 @@ tests' job; this guards the timings against a kernel that computes something els
     python scripts/bench_mods.py --timing stream   # calls back to back, as bench.py --timing stream
     python scripts/bench_mods.py --flex            # also torch's FlexAttention, plain and with softcap
     python scripts/bench_mods.py --dtype bfloat16  # where softcap takes its bound as every row's maximum
+    python scripts/bench_mods.py --rounds 3        # each variant thrice, right after its base: median ratios, ranges
+
+One pass times each variant once, at one moment of the GPU's clock and power state: the same kernels' ratios moved
+by 5-10% between runs (H100, README). ``--rounds`` times every variant once a round, each time right after its base
+kernel, the rounds starting at successive variants, and reports the median of those ratios with their range.
 
 With --flex the same run times torch's FlexAttention (compiled Triton kernels) without and with softcap as a
 score_mod: its softcap's cost over its own plain kernel is the yardstick for numbaflash's.
@@ -22,8 +27,10 @@ Writes bench_mods.json under --out.
 """
 
 import argparse
+import functools
 import json
 import os
+import statistics
 import sys
 
 import numpy as np
@@ -117,7 +124,10 @@ def flex_rows(torch, q, k, v, dout, passes, row_of):
     return rows
 
 
-def run(headdim, seqlen, passes, with_flex=False, dtype="float16"):
+def run(headdim, seqlen, passes, with_flex=False, dtype="float16", rounds=1):
+    """The rows of one head dim and sequence length. With ``rounds`` > 1 each variant is timed once a round, the
+    rounds starting at successive variants, right after its base (the plain kernel, or the built-in causal): its
+    ratio is the median of the rounds' ratios of neighbours, with their range."""
     import torch
 
     import numbaflash
@@ -126,57 +136,71 @@ def run(headdim, seqlen, passes, with_flex=False, dtype="float16"):
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, dout = (torch.randn(batch, seqlen, NHEADS, headdim, device="cuda", dtype=getattr(torch, dtype),
                                  generator=gen) for _ in range(4))
-    rows = []
     qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-    compare = {}
-    rows_of = [(name, options, None) for name, options in variants(torch, NHEADS).items()]
-    rows_of += block_masks(torch, seqlen)
+    listed = [(name, options, None) for name, options in variants(torch, NHEADS).items()] + block_masks(torch, seqlen)
+    base_of = {name: over or ("causal (built-in)" if "causal" in name else "plain") for name, _, over in listed}
     # Every variant's kernels compiled, loaded and run once before any is timed. Without it the built-in causal
     # forward at headdim 64 took 1.35-1.44 ms in a process's first pass over the variants (four processes) and
     # 1.25 in a second pass, against 1.18-1.25 in other scripts; with it 1.23-1.26 (H100, fp16, N = 16384). The
     # cause is not known: its kernel is the plain one's, loaded before, and warming up after a first call did not
     # help.
-    for name, options, over in rows_of:
-        numbaflash.attention(q, k, v, **options)  # without the LSE some plans take other kernels (`tiling`)
-        out, lse = numbaflash.attention(q, k, v, return_lse=True, **options)
-        if True in passes:
-            numbaflash.attention_backward(dout, q, k, v, out, lse, **options)
-    torch.cuda.synchronize()
-    for name, options, over in rows_of:
-        compare[name] = over
+    ours, sdpa, rows = {}, {}, []
+    for name, options, _ in listed:
         causal = options.get("causal", False) or "mask_mod" in options or "block_mask" in options
-        row = dict(headdim=headdim, seqlen=seqlen, batch=batch, dtype=dtype, variant=name)
+        row = dict(headdim=headdim, seqlen=seqlen, batch=batch, dtype=dtype, variant=name, causal=causal)
         if seqlen <= 4096:
             row["max_error_one_head"] = check_one_head(torch, q, k, v, options)
-        for backward in passes:
-            total = flops(batch, NHEADS, seqlen, headdim, causal, backward)
-            out, lse = numbaflash.attention(q, k, v, return_lse=True, **options)
-            if backward:
-                fn = lambda: numbaflash.attention_backward(dout, q, k, v, out, lse, **options)
-                base = lambda: torch.autograd.grad(sdpa_call(*(x.requires_grad_() for x in (qt, kt, vt)), causal),
-                                                   (qt, kt, vt), dout.transpose(1, 2))
-            else:
-                fn = lambda: numbaflash.attention(q, k, v, **options)
-                base = lambda: sdpa_call(qt, kt, vt, causal)
-            key = "backward" if backward else "forward"
-            row[f"{key}_ms"] = time_ms(fn)
-            row[f"{key}_tflops"] = total / row[f"{key}_ms"] / 1e9
-            with sdpa_only("flash"):
-                row[f"{key}_sdpa_flash_ms"] = time_ms(base)
         rows.append(row)
-    if with_flex:
-        rows += flex_rows(torch, q, k, v, dout, passes,
-                          lambda name: dict(headdim=headdim, seqlen=seqlen, batch=batch, variant=name))
-        compare.update({"FlexAttention plain": "FlexAttention plain", "FlexAttention softcap 30": "FlexAttention plain"})
+        numbaflash.attention(q, k, v, **options)  # without the LSE some plans take other kernels (`tiling`)
+        out, lse = numbaflash.attention(q, k, v, return_lse=True, **options)
+        for backward in passes:
+            if backward:
+                ours[name, backward] = functools.partial(numbaflash.attention_backward, dout, q, k, v, out, lse,
+                                                         **options)
+                sdpa[name, backward] = functools.partial(_sdpa_backward, torch, qt, kt, vt, dout, causal)
+            else:
+                ours[name, backward] = functools.partial(numbaflash.attention, q, k, v, **options)
+                sdpa[name, backward] = functools.partial(sdpa_call, qt, kt, vt, causal)
+            ours[name, backward]()
+    torch.cuda.synchronize()
+    times, ratios = {key: [] for key in ours}, {key: [] for key in ours}
+    for r in range(rounds):
+        for name, _, _ in listed[r % len(listed):] + listed[:r % len(listed)]:
+            for backward in passes:
+                key, base = (name, backward), (base_of[name], backward)
+                paired = rounds > 1 and base != key
+                if paired:
+                    times[base].append(time_ms(ours[base]))
+                times[key].append(time_ms(ours[key]))
+                if paired:
+                    ratios[key].append(times[key][-1] / times[base][-1])
     for row in rows:
-        over = compare[row["variant"]] or ("causal (built-in)" if "causal" in row["variant"] else "plain")
-        reference_row = next(r for r in rows if r["variant"] == over)
-        for key in ("forward", "backward"):
-            if f"{key}_ms" in row:
-                row[f"{key}_over_plain"] = row[f"{key}_ms"] / reference_row[f"{key}_ms"]
-            if f"{key}_sdpa_flash_ms" in row:
-                row[f"{key}_over_sdpa_flash"] = row[f"{key}_sdpa_flash_ms"] / row[f"{key}_ms"]
+        name = row["variant"]
+        for backward in passes:
+            key = "backward" if backward else "forward"
+            ms = statistics.median(times[name, backward])
+            each = ratios[name, backward] or [ms / statistics.median(times[base_of[name], backward])]
+            row[f"{key}_ms"] = ms
+            row[f"{key}_tflops"] = flops(batch, NHEADS, seqlen, headdim, row["causal"], backward) / ms / 1e9
+            row[f"{key}_over_plain"] = statistics.median(each)
+            row[f"{key}_over_plain_range"] = [min(each), max(each)]
+            with sdpa_only("flash"):
+                row[f"{key}_sdpa_flash_ms"] = time_ms(sdpa[name, backward])
+            row[f"{key}_over_sdpa_flash"] = row[f"{key}_sdpa_flash_ms"] / ms
+    if with_flex:
+        flex = flex_rows(torch, q, k, v, dout, passes,
+                         lambda name: dict(headdim=headdim, seqlen=seqlen, batch=batch, variant=name))
+        for row in flex:
+            for key in ("forward", "backward"):
+                if f"{key}_ms" in row:
+                    row[f"{key}_over_plain"] = row[f"{key}_ms"] / flex[0][f"{key}_ms"]  # over FlexAttention plain
+        rows += flex
     return rows
+
+
+def _sdpa_backward(torch, qt, kt, vt, dout, causal):
+    leaves = tuple(x.requires_grad_() for x in (qt, kt, vt))
+    return torch.autograd.grad(sdpa_call(*leaves, causal), leaves, dout.transpose(1, 2))
 
 
 def main():
@@ -188,6 +212,8 @@ def main():
                         help="each call alone (its host time included), or calls back to back (bench.py's --timing)")
     parser.add_argument("--flex", action="store_true", help="also time torch's FlexAttention, plain and with softcap")
     parser.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time every variant this many times, each right after its base: median ratios, ranges")
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
     import torch
@@ -200,13 +226,16 @@ def main():
     rows = []
     for headdim in args.headdims:
         for seqlen in args.seqlens:
-            for row in run(headdim, seqlen, [p == "backward" for p in args.passes], args.flex, args.dtype):
+            for row in run(headdim, seqlen, [p == "backward" for p in args.passes], args.flex, args.dtype,
+                           args.rounds):
                 rows.append(row)
                 cells = [f"d={headdim:<4} N={seqlen:<6} {row['variant']:<22}"]
                 for key in ("forward", "backward"):
                     if f"{key}_sdpa_flash_ms" in row:
-                        cells.append(f"{key} {row[f'{key}_tflops']:6.1f} TFLOP/s x{row[f'{key}_over_plain']:.3f} of "
-                                     f"plain, {row[f'{key}_over_sdpa_flash']:.2f}x SDPA flash")
+                        low, high = row[f"{key}_over_plain_range"]
+                        spread = f" ({low:.3f}-{high:.3f})" if args.rounds > 1 else ""
+                        cells.append(f"{key} {row[f'{key}_tflops']:6.1f} TFLOP/s x{row[f'{key}_over_plain']:.3f}{spread} "
+                                     f"of plain, {row[f'{key}_over_sdpa_flash']:.2f}x SDPA flash")
                     elif f"{key}_ms" in row:
                         cells.append(f"{key} {row[f'{key}_ms']:.3f} ms x{row[f'{key}_over_plain']:.3f} of plain")
                 if "max_error_one_head" in row:
