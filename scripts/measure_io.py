@@ -92,7 +92,8 @@ def dtype_of(family):
 
 
 def plan_of(case):
-    """The plan of a grid case: the family's own kernels, as the benchmarks run them."""
+    """The plan of a grid case: the family's own kernels, as the benchmarks run them (a block mask's call plans its
+    own tiles, `tiling.WGMMA_BLOCK_SPARSE_TILES`)."""
     from numbaflash import tiling
 
     headdim, backward = case["headdim"], case["backward"]
@@ -101,7 +102,7 @@ def plan_of(case):
         bucket = tiling.mma_headdim_bucket(headdim)
         tiles = tiling.MMA_BACKWARD_TILES[bucket] if backward else tiling.MMA_TILES[bucket]
     plan = tiling.make_plan(case["batch"], case["nheads"], case["nheads_kv"], case["seqlen"], case["seqlen"], headdim,
-                            dtype_of(case["family"]), backward=backward, tiles=tiles)
+                            dtype_of(case["family"]), backward=backward, tiles=tiles, block_sparse=bool(case["documents"]))
     family = ("wgmma" if isinstance(plan.tiles, tiling.WgmmaTiles) else
               "mma" if isinstance(plan.tiles, tiling.MmaTiles) else "simt")
     if family != case["family"]:

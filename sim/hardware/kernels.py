@@ -18,6 +18,7 @@ from numbaflash.kernels.simt.backward import STAGED_ROWS_PER_WARP
 from numbaflash.kernels.simt.tiles import vector_width
 
 from . import patterns
+from .schedules import ScheduleReads
 from .sectors import LINE, box_bytes, copy_sectors, sectors, unique_bytes
 
 KINDS = ("load", "copy", "tma", "store", "reduce")
@@ -224,6 +225,13 @@ class Walk:
     right: int
     block_mask: object = None
 
+    def schedule(self, kind):
+        """The `ScheduleReads` of pass ``kind`` where v5's kernels read a block mask's schedule, else None."""
+        t = self.plan.tiles
+        if self.block_mask is None or not (isinstance(t, WgmmaTiles) and t.producer):
+            return None
+        return ScheduleReads(self, kind)
+
     @property
     def seqlens(self):
         return self.ops["q"].seqlen, self.ops["k"].seqlen
@@ -286,8 +294,11 @@ def forward_blocks(walk, ledger):
     """Every forward kernel: Q once, K and V per visited key tile, O and LSE once (`kernels.*.forward`); a
     block that visits none writes its rows as hidden."""
     bm, bn = walk.plan.tiles.block_m, walk.plan.tiles.block_n
+    schedule = walk.schedule("forward")
     for b, h, row_start, row_end, lo, hi in walk.query_blocks(ledger):
         tiles = walk.key_tiles(b, h, row_start, lo, hi) if lo < hi else ()
+        if schedule and lo < hi:
+            schedule.charge(ledger, b, h, row_start // bm, tiles)
         if len(tiles) == 0:
             _hidden(ledger, walk.ops, b, h, row_start, row_end)
             continue
@@ -355,6 +366,7 @@ def dkdv_blocks(walk, ledger, accumulate_dq=False):
     else:
         r, c = patterns.simt_lanes(t.threads, t.cols_t)
         rows_of = lambda q0: np.concatenate([q0 + c * t.thread_n + a for a in range(t.thread_n)])
+    schedule = walk.schedule("dkdv")
     for b in range(walk.plan.batch):
         for hk in range(walk.plan.nheads_kv):
             for key_start in range(0, seqlen_k, bk):
@@ -362,6 +374,8 @@ def dkdv_blocks(walk, ledger, accumulate_dq=False):
                 q_lo, q_hi = masks.query_range(key_start, min(key_start + bk, seqlen_k), seqlen_q, seqlen_k,
                                                walk.left, walk.right)
                 visits = walk.query_visits(b, hk, key_start, q_lo, q_hi) if q_lo < q_hi else ()
+                if schedule and q_lo < q_hi:
+                    schedule.charge(ledger, b, hk, key_start // bk, visits)
                 if visits:
                     walk.stager.stage(ledger, "k", ops["k"], b, hk, key_start, bk)
                     walk.stager.stage(ledger, "v", ops["v"], b, hk, key_start, bk)
@@ -422,8 +436,11 @@ def dq_blocks(walk, ledger):
     else:
         r, c = patterns.simt_lanes(t.threads, t.cols_t)
         rows_of = lambda q0: np.concatenate([q0 + r * t.thread_m + a for a in range(t.thread_m)])
+    schedule = walk.schedule("dq")
     for b, h, row_start, row_end, lo, hi in walk.query_blocks(ledger):
         tiles = walk.key_tiles(b, h, row_start, lo, hi) if lo < hi else ()
+        if schedule and lo < hi:
+            schedule.charge(ledger, b, h, row_start // bm, tiles)
         if len(tiles):
             walk.stager.stage(ledger, "q", ops["q"], b, h, row_start, bm)
             walk.stager.stage(ledger, "dout", ops["dout"], b, h, row_start, bm)
