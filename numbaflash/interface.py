@@ -612,8 +612,13 @@ def _block_mask_lines(call, the_plan, backward):
         partial = "calls mask_mod on the partial ones"
     else:
         partial = "on the partial ones reads the block mask's verdicts (kept as bits when it made its tiles)"
-    return [f"block mask  {tiles} only those, and {partial} (the HBM traffic and the GPU line below count only "
-            "those)"]
+    from sim.hardware import schedules
+
+    counted = ("the HBM traffic below counts only those, and the GPU line the kernels' reads of the block mask's "
+               "table and bits as well" if schedules.family(the_plan.tiles) else
+               "the HBM traffic and the GPU line below count only those; the GPU line leaves out the kernels' reads of "
+               "the block mask's table")
+    return [f"block mask  {tiles} only those, and {partial} ({counted})"]
 
 
 EXPLAIN_TILE_VISITS = 500_000  # about 5 s of `sim.hardware.predict`: explain skips (and says so) past this

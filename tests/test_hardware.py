@@ -9,7 +9,7 @@ import pytest
 import numbaflash
 from numbaflash import tiling
 from sim import hardware
-from sim.hardware import l2
+from sim.hardware import l2, schedules
 from sim.hardware.sectors import box_bytes, copy_sectors, sectors
 
 HOPPER = tiling.Device("NVIDIA H100 80GB HBM3", (9, 0), 132, 227 * 1024)
@@ -222,9 +222,8 @@ def test_a_block_mask_equal_to_causal_moves_what_causal_moves(family):
         masked = hardware.predict(plan, block_mask=mask, gpu=hardware.H100)
         assert masked.flops == causal.flops
         for with_mask, without in zip(masked.kernels, causal.kernels):
-            if isinstance(plan.tiles, tiling.WgmmaTiles) and plan.tiles.producer and \
-                    hardware.WALKS[without.kernel] in ("forward", "dkdv", "dkdvdq", "dq"):
-                # v5 also reads the block mask's schedule (`test_v5_reads_a_block_masks_schedule_as_compiled`)
+            if schedules.family(plan.tiles) and hardware.WALKS[without.kernel] in ("forward", "dkdv", "dkdvdq", "dq"):
+                # and reads the block mask's schedule (`test_the_kernels_read_a_block_masks_schedule_as_compiled`)
                 assert with_mask.load_bytes > without.load_bytes
                 with_mask = dataclasses.replace(with_mask, load_bytes=without.load_bytes,
                                                 dram_read_bytes=without.dram_read_bytes)
@@ -234,14 +233,15 @@ def test_a_block_mask_equal_to_causal_moves_what_causal_moves(family):
         assert causal.global_bytes < hardware.predict(plan, gpu=hardware.H100).global_bytes
 
 
-def test_v5_reads_a_block_masks_schedule_as_compiled():
-    """v5's kernels read a block mask's schedule in warp instructions of their own (`sim.hardware.schedules`, each
-    count held against ncu's on the H100). A causal block mask, one head, N = 256, d = 64, on the block masks'
-    tiles: every one of a block's 8 warps loads its count (one sector, all lanes at one address); per visit, each of
-    the 4 consumer warps its entry and its slot, and the producer's thread the entry of each copy (2 in the forward,
-    K and V; 1 in each backward pass); per partial tile each consumer warp loads its rows g and g + 8 at each
-    32-column word (8 rows of verdicts a load, 16 bytes apart in the forward: 4 sectors; 8 bytes apart in the
-    backward's 64-column tiles: 2), the dQ pass once per 8-column chunk."""
+def test_the_kernels_read_a_block_masks_schedule_as_compiled():
+    """The tensor-core kernels read a block mask's schedule in warp instructions of their own (`sim.hardware.schedules`,
+    each count held against ncu's on the H100). A causal block mask, one head, N = 256, d = 64.
+
+    v5 on the block masks' tiles: every one of a block's 8 warps loads its count (one sector, all lanes at one
+    address); per visit, each of the 4 consumer warps its entry and its slot, and the producer's thread the entry of
+    each copy (2 in the forward, K and V; 1 in each backward pass); per partial tile each consumer warp loads its rows
+    g and g + 8 at each 32-column word (8 rows of verdicts a load, 16 bytes apart in the forward: 4 sectors; 8 bytes
+    apart in the backward's 64-column tiles: 2), the dQ pass once per 8-column chunk."""
     seqlen = 256
     mask = numbaflash.block_mask(causal_mask, None, None, seqlen, seqlen)
     # forward, 64 x 128 tiles: query blocks see 1, 1, 2, 2 key tiles, one partial each
@@ -257,6 +257,16 @@ def test_v5_reads_a_block_masks_schedule_as_compiled():
     assert reads == {"wgmma_tma_backward_preprocess": 0,
                      "wgmma_tma_backward_dkdv": 32 * (4 * 8 + 10 * (1 + 4 * 2) + 4 * (4 * 2 * 2 * 2)),
                      "wgmma_tma_backward_dq": 32 * (4 * 8 + 10 * (1 + 4 * 2) + 4 * (4 * 2 * 2 * 4 * 2))}
+    # mma.sync's forward, 128 x 64 tiles of 4 warps with 2 m-tiles: query blocks see 2 and 4 key tiles, 2 partial each.
+    # Each warp loads the count and the first visit's entry, per visit the entry twice, per visit but the last the next
+    # one's, per partial tile its slot and 8 verdict words (4 fragment rows x 2 words, rows 8 bytes apart: 2 sectors).
+    tiles = tiling.MMA_TILES[64]
+    (masked,), (causal,) = (traffic(1, 1, 1, seqlen, seqlen, 64, "float16", tiles=tiles, **mask_)
+                            for mask_ in (dict(block_mask=mask), dict(causal=True)))
+    warps = 4
+    assert masked.load_bytes - causal.load_bytes == 32 * warps * (
+        2 * (1 + 1) + 6 * 2 + (1 + 3) + 4 * 1 + 4 * (4 * 2 * 2))
+    assert (masked.copy_bytes, masked.store_bytes) == (causal.copy_bytes, causal.store_bytes)
 
 
 def test_a_document_mask_loads_only_the_tiles_of_each_document():
@@ -276,11 +286,21 @@ def test_a_document_mask_loads_only_the_tiles_of_each_document():
     assert dense.tma_bytes == documents * (box + 2 * documents * box)
 
 
-def test_explain_counts_a_block_masks_tiles_on_the_gpu_line():
+def test_explain_counts_a_block_masks_tiles_on_the_gpu_line(monkeypatch):
+    """The GPU line of a causal block mask's call gives the built-in causal call's traffic and FLOPs, and on the
+    tensor-core plan the simulator runs (mma.sync) also the kernels' reads of the block mask's schedule."""
     q = np.random.default_rng(0).standard_normal((1, 64, 1, 32)).astype(np.float16)
     mask = numbaflash.block_mask(causal_mask, None, None, 64, 64)
-    assert numbaflash.explain(q, q, q, block_mask=mask).split("on the GPU")[1] == \
-        numbaflash.explain(q, q, q, causal=True).split("on the GPU")[1]
+    predicted = []
+    real_predict = hardware.predict
+    monkeypatch.setattr(hardware, "predict", lambda *a, **k: predicted.append(real_predict(*a, **k)) or predicted[-1])
+    masked, causal = (numbaflash.explain(q, q, q, **mask_) for mask_ in (dict(block_mask=mask), dict(causal=True)))
+    assert "the GPU line the kernels' reads of the block mask's table and bits as well" in masked
+    (with_mask,), (without,) = (p.kernels for p in predicted)
+    assert predicted[0].flops == predicted[1].flops
+    assert with_mask.load_bytes > without.load_bytes
+    assert dataclasses.replace(with_mask, load_bytes=without.load_bytes, dram_read_bytes=without.dram_read_bytes) == \
+        without
 
 
 def test_tiles_of_two_blocks_per_multiprocessor_keep_two_resident():

@@ -17,8 +17,7 @@ from numbaflash.kernels.mma.forward import PAIRED_STORES
 from numbaflash.kernels.simt.backward import STAGED_ROWS_PER_WARP
 from numbaflash.kernels.simt.tiles import vector_width
 
-from . import patterns
-from .schedules import ScheduleReads
+from . import patterns, schedules
 from .sectors import LINE, box_bytes, copy_sectors, sectors, unique_bytes
 
 KINDS = ("load", "copy", "tma", "store", "reduce")
@@ -226,11 +225,11 @@ class Walk:
     block_mask: object = None
 
     def schedule(self, kind):
-        """The `ScheduleReads` of pass ``kind`` where v5's kernels read a block mask's schedule, else None."""
-        t = self.plan.tiles
-        if self.block_mask is None or not (isinstance(t, WgmmaTiles) and t.producer):
+        """The `ScheduleReads` of pass ``kind`` where the kernels' reads of a block mask's schedule are modelled, else
+        None."""
+        if self.block_mask is None or schedules.family(self.plan.tiles) is None:
             return None
-        return ScheduleReads(self, kind)
+        return schedules.ScheduleReads(self, kind)
 
     @property
     def seqlens(self):

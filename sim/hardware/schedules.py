@@ -1,46 +1,79 @@
-"""A block mask's schedule as v5's kernels read it: the loads of its table and of a partial tile's verdict words.
+"""A block mask's schedule as the tensor-core kernels read it: the loads of its table and of partial tiles' verdicts.
 
 A block-masked call's kernels learn which tiles to visit from the block mask's table (`numbaflash.kernels.key_tiles`,
 `query_tiles`: a block's count, each visit's entry and each visit's slot in the bits) and, on a tile the mask_mod
-does not show whole, each row's verdicts from the bits. Every such load is a warp instruction of its own:
+does not show whole, each row's verdicts from the bits. Every such load is a warp instruction of its own, and
+`READS` gives, per kernel, how many the compiled code makes (ncu's executed instructions per SASS line, H100, 8
+documents at N = 4096 and 8192 and a causal block mask; `.bench/ncu_bm.py`, `.bench/ncu_mma_bm.py`):
 
-* the count: every warp of the block, once (every thread reads it, at one address: one sector a warp);
-* each visit's entry and slot: each consumer warp, two loads a visit (the entry gives both the tile and whether it
-  is full);
-* the producer's copies: the forward reads the entry of every tile it copies K of and of every tile it copies V of
-  (two a visit), the backward passes one a visit, by the one thread that issues the bulk copies (by every producer
-  warp when they stage with cp.async; a dK/dV pass's producer warp reads it whole);
-* a partial tile's verdicts: each consumer warp, one load per fragment row (rows ``g`` and ``g + 8`` of its 16) and
-  32-column word of the tile, lane ``4 g + t`` at its row's word; the dQ pass loads the word again for each of its
-  8-column chunks (its loop over them keeps the load in its branch: `gradients.row_steps`), four loads a word.
+* the count: every warp of the block, once, where any key is visible to the block (all lanes at one address: one
+  sector); mma.sync's warps also read the first visit's entry before the loop;
+* each visit's entry and slot: each consumer warp, two loads a visit; mma.sync's warps also read the next visit's
+  entry (for its copies) on every visit but the last, and its forward loads the slot only on a partial tile, where
+  its mask step reads it (its entry twice instead: its barriers keep the compiler from reusing the first load);
+* v5's producer: the forward reads the entry of every tile it copies K of and of every tile it copies V of (two a
+  visit), the backward passes one a visit, by the one thread that issues the bulk copies (the forward's cp.async
+  producer: every producer warp);
+* a partial tile's verdicts: each consumer warp loads each of its fragment rows' 32-column words (lane ``4 g + t``
+  at rows ``g`` and ``g + 8`` of each m-tile), once a word, or again for each of its 8-column chunks where the loop
+  over them keeps the load in its branch (`gradients.row_steps` in both dQ passes, mma.sync's dK/dV pass).
 
-So ncu counted them, sector for sector (H100, l1tex's global load sectors and the executed instructions per SASS
-line: v5's forward with a causal block mask and with 8 documents on both its tile shapes, and the backward's
-passes; `scripts/measure_io.py`). Only v5's kernels (a producer warpgroup) are modelled; the other families' reads of the
-table are left out of their predictions.
+Requested sectors follow from the lanes' addresses; DRAM sees each table row and each slot's words once a block. The
+CUDA-core kernels ask the mask_mod on partial tiles (its loads are the user's) and are not modelled.
 """
+
+from dataclasses import dataclass
 
 import numpy as np
 
 from numbaflash.block_sparsity import FULL
 from numbaflash.kernels.fragments import lane_row
 from numbaflash.kernels.wgmma.pipeline import PRODUCER
+from numbaflash.tiling import MmaTiles, WgmmaTiles
 
 from .sectors import sectors, unique_bytes
 
-# Table entries the producer's issuing warp(s) read per visit, by pass.
-PRODUCER_READS = {"forward": 2, "dq": 1, "dkdv": 1}
-CONSUMER_READS = 2  # per visit and consumer warp: its entry and its slot
 ENTRY_BYTES = 4  # int32 tables and verdict words
 
 
+@dataclass(frozen=True)
+class Reads:
+    """One kernel's schedule loads, in warp instructions (see the module's docstring)."""
+
+    first: int  # per consumer warp and block, beside every warp's count
+    visit: int  # per consumer warp and visit
+    next_visit: int  # per consumer warp and visit but the last
+    partial: int  # per consumer warp and partial visit, beside its verdicts
+    producer: int  # per visit, by the producer's issuing thread
+    chunked: bool  # verdict words loaded once per 8-column chunk
+
+
+# (family, pass) -> Reads; family "v5" (a producer warpgroup) or "mma"
+READS = {
+    ("v5", "forward"): Reads(first=0, visit=2, next_visit=0, partial=0, producer=2, chunked=False),
+    ("v5", "dq"): Reads(first=0, visit=2, next_visit=0, partial=0, producer=1, chunked=True),
+    ("v5", "dkdv"): Reads(first=0, visit=2, next_visit=0, partial=0, producer=1, chunked=False),
+    ("mma", "forward"): Reads(first=1, visit=2, next_visit=1, partial=1, producer=0, chunked=False),
+    ("mma", "dq"): Reads(first=1, visit=2, next_visit=1, partial=0, producer=0, chunked=True),
+    ("mma", "dkdv"): Reads(first=1, visit=2, next_visit=1, partial=0, producer=0, chunked=True),
+}
+
+
+def family(tiles):
+    """The key of `READS` for a plan's tiles, None where the kernels' schedule reads are not modelled."""
+    if isinstance(tiles, WgmmaTiles) and tiles.producer:
+        return "v5"
+    return "mma" if isinstance(tiles, MmaTiles) else None
+
+
 class ScheduleReads:
-    """The schedule reads of one pass (``kind``: "forward", "dq" or "dkdv") of a v5 plan with a block mask, charged
-    block by block to a `kernels.Ledger`."""
+    """The schedule reads of one pass (``kind``: "forward", "dq" or "dkdv") of a tensor-core plan with a block mask,
+    charged block by block to a `kernels.Ledger`."""
 
     def __init__(self, walk, kind):
         t, mask = walk.plan.tiles, walk.block_mask
         self.kind, self.tiles = kind, t
+        self.reads = READS[family(t), kind]
         if kind == "dkdv":  # blocks of keys, visiting (query head, query tile) pairs of their GQA group
             classes = mask.classify(t.block_n, t.block_m)
             shown = mask.visited(t.block_n, t.block_m, walk.left, walk.right) & (classes != FULL)
@@ -60,12 +93,9 @@ class ScheduleReads:
         self.width = 2 * (visits + 1)  # entries of a block's row of the table
         self.first_slot = (np.cumsum(partial.ravel()) - partial.ravel()).reshape(partial.shape)
         self.words = -(-t.block_n // 32)  # of a row of verdicts on a streamed tile (keys, or dK/dV's query rows)
-        # loads of each word: once, or once per 8-column chunk in it (the dQ pass)
-        self.loads_per_word = min(4, -(-t.block_n // 8)) if kind == "dq" else 1
-        producers = 1 if t.tma or kind != "forward" else PRODUCER // 32  # the forward's cp.async producer: every warp
-        self.producer_reads = PRODUCER_READS[kind] * producers
+        cp_async_producer = kind == "forward" and not getattr(t, "tma", True)
+        self.producer = self.reads.producer * (PRODUCER // 32 if cp_async_producer else 1)
         self.warps = t.threads // 32
-        self._verdicts = None
 
     def charge(self, ledger, b, head, block, visits):
         """A block's reads: ``head`` the query head (forward, dQ) or kv head (dK/dV), ``block`` its query or key
@@ -75,16 +105,18 @@ class ScheduleReads:
             partial = [self.classes[on(b, 0), on(h, 1), q // self.tiles.block_n, block] != FULL for h, q in visits]
         else:
             partial = self.classes[on(b, 0), on(head, 1), block, np.asarray(visits, np.int64) // self.tiles.block_n] != FULL
+        partials = int(np.count_nonzero(partial))
         b, head = (i if n > 1 else 0 for i, n in zip((b, head), self.axes))
         row = ((b * self.axes[1] + head) * self.blocks + block) * self.width
-        visits = len(partial)
-        entries = (self.warps + visits * (self.producer_reads + CONSUMER_READS * self.tiles.warps)) * 32
-        read = np.concatenate([[0], 1 + np.arange(visits), self.width // 2 + 1 + np.arange(visits)])
+        n, r, consumers = len(visits), self.reads, self.tiles.warps
+        loads = (self.warps + n * self.producer + consumers * (
+            (r.first if n else 0) + n * r.visit + max(n - 1, 0) * r.next_visit + partials * r.partial))
+        read = np.concatenate([[0], 1 + np.arange(n), self.width // 2 + 1 + np.arange(n)])
         distinct = unique_bytes((row + read) * ENTRY_BYTES, ENTRY_BYTES)
-        ledger.charge("load", ("schedule", b, head, block), ("schedule", visits, row % 8, self.width),
-                      lambda: (entries, distinct))
+        ledger.charge("load", ("schedule", b, head, block), ("schedule", n, partials, row % 8, self.width),
+                      lambda: (loads * 32, distinct))
         slot = self.first_slot[b, head, block]
-        for _ in range(int(np.count_nonzero(partial))):
+        for _ in range(partials):
             ledger.charge("load", ("verdicts", slot), ("verdicts", self.kind), self._verdict_cost)
             slot += 1
 
@@ -93,7 +125,8 @@ class ScheduleReads:
         words start on a sector (``block_m`` rows of whole words), so every slot costs the same."""
         t = self.tiles
         g = np.arange(32) // 4
-        rows = [16 * warp + lane_row(r, g) for warp in range(t.warps) for r in range(2 * t.m_tiles)]
+        chunks = min(4, -(-t.block_n // 8)) if self.reads.chunked else 1  # loads of each word
+        rows = [t.rows_per_warp * warp + lane_row(r, g) for warp in range(t.warps) for r in range(2 * t.m_tiles)]
         addresses = np.array([(row * self.words + w) * ENTRY_BYTES for row in rows for w in range(self.words)
-                              for _ in range(self.loads_per_word)])
+                              for _ in range(chunks)])
         return sectors(addresses) * 32, unique_bytes(addresses, ENTRY_BYTES)
