@@ -18,8 +18,10 @@ documents at N = 4096 and 8192 and a causal block mask; `.bench/ncu_bm.py`, `.be
   at rows ``g`` and ``g + 8`` of each m-tile), once a word, or again for each of its 8-column chunks where the loop
   over them keeps the load in its branch (`gradients.row_steps` in both dQ passes, mma.sync's dK/dV pass).
 
-Requested sectors follow from the lanes' addresses; DRAM sees each table row and each slot's words once a block. The
-CUDA-core kernels ask the mask_mod on partial tiles (its loads are the user's) and are not modelled.
+Requested sectors follow from the lanes' addresses; the L2 model sees each block's table row and each slot's words.
+v5's dK/dV kernel that also accumulates dQ (deterministic=False) is taken to read as the dK/dV pass (not measured).
+Not modelled: the CUDA-core kernels, which ask the mask_mod on partial tiles (its loads are the user's), and v3's
+wgmma kernels without a producer warpgroup.
 """
 
 from dataclasses import dataclass
