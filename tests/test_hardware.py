@@ -269,6 +269,39 @@ def test_the_kernels_read_a_block_masks_schedule_as_compiled():
     assert (masked.copy_bytes, masked.store_bytes) == (causal.copy_bytes, causal.store_bytes)
 
 
+def windows_by_head(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx and q_idx - kv_idx < 40 * (h + 1)
+
+
+@pytest.mark.parametrize("kind", ["forward", "dq", "dkdv"])
+def test_the_schedule_model_finds_each_block_where_the_tables_put_it(kind):
+    """`schedules.ScheduleReads` reads a block's row of the block mask's table and its partial tiles' slots in the
+    bits where `BlockMask.key_tiles` and `query_tiles` put them (the addresses its DRAM bytes come from): a mask
+    that depends on the head, GQA groups of 2, and the causal mask beside it."""
+    import types
+
+    from numbaflash._arrays import describe
+
+    seqlen, nheads, group = 320, 4, 2
+    mask = numbaflash.block_mask(windows_by_head, None, nheads, seqlen, seqlen)
+    tiles = tiling.WGMMA_BLOCK_SPARSE_BACKWARD_TILES[64] if kind != "forward" else tiling.WGMMA_BLOCK_SPARSE_TILES[64]
+    plan = types.SimpleNamespace(tiles=tiles)
+    walk = types.SimpleNamespace(plan=plan, block_mask=mask, left=-1, right=0, group=group)
+    reads = schedules.ScheduleReads(walk, kind)
+    like = describe(np.zeros(1, np.int32), "like")
+    if kind == "dkdv":
+        table, _ = mask.query_tiles(tiles.block_m, tiles.block_n, -1, 0, group, like)
+    else:
+        table, _ = mask.key_tiles(tiles.block_m, tiles.block_n, -1, 0, like)
+    table = np.asarray(table.obj)
+    assert reads.axes == table.shape[:2] and reads.blocks == table.shape[2] and reads.width == table.shape[3]
+    half = table.shape[3] // 2
+    for b, head, block in np.ndindex(*table.shape[:3]):
+        slots = table[b, head, block, half + 1:half + 1 + table[b, head, block, 0]]
+        if (slots >= 0).any():
+            assert slots[slots >= 0][0] == reads.first_slot[b, head, block]
+
+
 def test_a_document_mask_loads_only_the_tiles_of_each_document():
     """v5's forward with 128 x 128 tiles over 4 documents of 128 rows (one head, d = 64): each query block
     copies its Q box and the K and V boxes of its own document's one tile, 128 rows of 128 bytes each; the
