@@ -18,6 +18,7 @@ from numbaflash.kernels.simt.backward import STAGED_ROWS_PER_WARP
 from numbaflash.kernels.simt.tiles import vector_width
 
 from . import patterns, schedules
+from .schedules import index_on
 from .sectors import LINE, box_bytes, copy_sectors, sectors, unique_bytes
 
 KINDS = ("load", "copy", "tma", "store", "reduce")
@@ -261,7 +262,8 @@ class Walk:
         if self.block_mask is None:
             return range((lo // bn) * bn, hi, bn)
         visited = self.block_mask.visited(bm, bn, self.left, self.right)
-        return (np.flatnonzero(visited[_index(visited, 0, b), _index(visited, 1, h), row_start // bm]) * bn).tolist()
+        row = visited[index_on(visited.shape, 0, b), index_on(visited.shape, 1, h), row_start // bm]
+        return (np.flatnonzero(row) * bn).tolist()
 
     def query_visits(self, b, hk, key_start, q_lo, q_hi):
         """The (query head, first row) pairs a dK/dV key block visits over its GQA group, heads in order and
@@ -271,8 +273,9 @@ class Walk:
         if self.block_mask is None:
             return [(h, q) for h in heads for q in range((q_lo // bq) * bq, q_hi, bq)]
         visited = self.block_mask.visited(bq, bk, self.left, self.right)
+        vb = index_on(visited.shape, 0, b)
         return [(h, int(q) * bq) for h in heads
-                for q in np.flatnonzero(visited[_index(visited, 0, b), _index(visited, 1, h), :, key_start // bk])]
+                for q in np.flatnonzero(visited[vb, index_on(visited.shape, 1, h), :, key_start // bk])]
 
     def outputs(self, ledger, name, lse, b, h, row0):
         """The block's rows of ``name`` (O, dQ, dK or dV), and of ``lse`` unless None, as its kernel writes them."""
@@ -282,11 +285,6 @@ class Walk:
             _tensor_core_outputs(ledger, self.plan, out, lse, b, h, row0, t.warps, t.rows_per_warp, name)
         else:
             _simt_outputs(ledger, self.plan, out, lse, b, h, row0, name)
-
-
-def _index(table, axis, i):
-    """``i`` on a block mask's batch or head axis, which has length 1 where the mask does not depend on it."""
-    return i if table.shape[axis] > 1 else 0
 
 
 def forward_blocks(walk, ledger):

@@ -61,6 +61,12 @@ READS = {
 }
 
 
+def index_on(shape, axis, i):
+    """``i`` on a block mask's batch or head axis of length ``shape[axis]``, which is 1 where the mask does not depend
+    on it."""
+    return i if shape[axis] > 1 else 0
+
+
 def family(tiles):
     """The key of `READS` for a plan's tiles, None where the kernels' schedule reads are not modelled."""
     if isinstance(tiles, WgmmaTiles) and tiles.producer:
@@ -75,7 +81,8 @@ class ScheduleReads:
     def __init__(self, walk, kind):
         t, mask = walk.plan.tiles, walk.block_mask
         self.kind, self.tiles = kind, t
-        self.reads = READS[family(t), kind]
+        which = family(t)
+        self.reads = READS[which, kind]
         if kind == "dkdv":  # blocks of keys, visiting (query head, query tile) pairs of their GQA group
             classes = mask.classify(t.block_n, t.block_m)
             shown = mask.visited(t.block_n, t.block_m, walk.left, walk.right) & (classes != FULL)
@@ -95,28 +102,32 @@ class ScheduleReads:
         self.width = 2 * (visits + 1)  # entries of a block's row of the table
         self.first_slot = (np.cumsum(partial.ravel()) - partial.ravel()).reshape(partial.shape)
         self.words = -(-t.block_n // 32)  # of a row of verdicts on a streamed tile (keys, or dK/dV's query rows)
-        cp_async_producer = kind == "forward" and not getattr(t, "tma", True)
+        cp_async_producer = which == "v5" and kind == "forward" and not t.tma
         self.producer = self.reads.producer * (PRODUCER // 32 if cp_async_producer else 1)
         self.warps = t.threads // 32
 
     def charge(self, ledger, b, head, block, visits):
         """A block's reads: ``head`` the query head (forward, dQ) or kv head (dK/dV), ``block`` its query or key
         block, ``visits`` as `kernels.Walk` lists them (first keys; (query head, first row) pairs for dK/dV)."""
-        on = lambda i, axis: i if self.classes.shape[axis] > 1 else 0
+        classes, bn = self.classes, self.tiles.block_n
+        cb = index_on(classes.shape, 0, b)
         if self.kind == "dkdv":
-            partial = [self.classes[on(b, 0), on(h, 1), q // self.tiles.block_n, block] != FULL for h, q in visits]
+            partial = [classes[cb, index_on(classes.shape, 1, h), q // bn, block] != FULL for h, q in visits]
         else:
-            partial = self.classes[on(b, 0), on(head, 1), block, np.asarray(visits, np.int64) // self.tiles.block_n] != FULL
+            partial = classes[cb, index_on(classes.shape, 1, head), block, np.asarray(visits, np.int64) // bn] != FULL
         partials = int(np.count_nonzero(partial))
-        b, head = (i if n > 1 else 0 for i, n in zip((b, head), self.axes))
+        b, head = index_on(self.axes, 0, b), index_on(self.axes, 1, head)
         row = ((b * self.axes[1] + head) * self.blocks + block) * self.width
-        n, r, consumers = len(visits), self.reads, self.tiles.warps
-        loads = (self.warps + n * self.producer + consumers * (
-            (r.first if n else 0) + n * r.visit + max(n - 1, 0) * r.next_visit + partials * r.partial))
-        read = np.concatenate([[0], 1 + np.arange(n), self.width // 2 + 1 + np.arange(n)])
-        distinct = unique_bytes((row + read) * ENTRY_BYTES, ENTRY_BYTES)
-        ledger.charge("load", ("schedule", b, head, block), ("schedule", n, partials, row % 8, self.width),
-                      lambda: (loads * 32, distinct))
+        n = len(visits)
+
+        def make():
+            r = self.reads
+            loads = self.warps + n * self.producer + self.tiles.warps * (
+                (r.first if n else 0) + n * r.visit + max(n - 1, 0) * r.next_visit + partials * r.partial)
+            read = np.concatenate([[0], 1 + np.arange(n), self.width // 2 + 1 + np.arange(n)])  # count, entries, slots
+            return loads * 32, unique_bytes((row + read) * ENTRY_BYTES, ENTRY_BYTES)
+
+        ledger.charge("load", ("schedule", b, head, block), ("schedule", n, partials, row % 8, self.width), make)
         slot = self.first_slot[b, head, block]
         for _ in range(partials):
             ledger.charge("load", ("verdicts", slot), ("verdicts", self.kind), self._verdict_cost)
