@@ -5,8 +5,8 @@ every (b, h, q_idx, kv_idx) once (a Numba loop on the host), keeps the visible c
 tile, and from those labels each tile of a kernel's shape `EMPTY` (no visible score), `PARTIAL` or
 `FULL` (every score visible). A forward kernel, or a backward's dQ pass, given the `BlockMask` visits
 only the non-empty key tiles of its query tile, in order (`key_tiles`); a backward's dK/dV pass visits
-only the non-empty query tiles of its key block (`query_tiles`). On partial tiles the tensor-core kernels
-read the mask's verdicts from bits evaluated here (a dK/dV pass's transposed); the CUDA-core kernels call
+only the non-empty query tiles of its key block (`query_tiles`). On partial tiles the kernels of every
+family read the mask's verdicts from bits evaluated here (a dK/dV pass's transposed) and call no
 ``mask_mod``. The forward's result is the dense mask_mod call's up to rounding: an empty tile adds exp(-inf) = 0
 to the sums, but on a GPU the dense call's visit also rescales them by ex2 of the rounding error of
 ``m * scale`` (the FMA keeps it), one part in 2^24; on the simulator the two agree bit for bit. An empty

@@ -313,7 +313,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
             See `numbaflash.mods` for the order and the limits.
         block_mask: a `numbaflash.block_mask(mask_mod, ...)`: the kernel visits only the key tiles where the
             mask shows a score, and on tiles it does not show whole reads the verdicts the block mask kept
-            as bits (tensor-core kernels) or calls mask_mod (CUDA cores).
+            as bits (it calls no mask_mod).
 
     Returns:
         out with q's shape and dtype; with ``return_lse``, also lse ``(batch, nheads, seqlen_q)`` (``(seqlen_q,)``
@@ -607,11 +607,8 @@ def _block_mask_lines(call, the_plan, backward):
         if the_plan.dq_strategy != "atomic":
             tiles += f" and {call.block_mask.density(bm, bn):.1%} of the {bm} x {bn} tiles of the dQ pass"
         tiles += " are not empty: the backward visits"
-    # The tensor-core kernels read bits (a dK/dV pass its transposed ones); the CUDA-core kernels call mask_mod.
-    if isinstance(the_plan.tiles, tiling.Tiles):
-        partial = "calls mask_mod on the partial ones"
-    else:
-        partial = "on the partial ones reads the block mask's verdicts (kept as bits when it made its tiles)"
+    # Every family reads bits (a dK/dV pass its transposed ones) and asks the mask_mod nothing.
+    partial = "on the partial ones reads the block mask's verdicts (kept as bits when it made its tiles)"
     from sim.hardware import schedules
 
     counted = ("the HBM traffic below counts only those, and the GPU line the kernels' reads of the block mask's "

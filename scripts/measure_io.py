@@ -13,8 +13,10 @@ The grid: forward and backward, causal and not, headdim 64 and 128, N = 1024, 40
 batch x N = 16384 and 16 heads (the CUDA-core family at batch x N = 4096 and 4 heads, N <= 4096: its
 fp32 kernels run 20x slower, and every kernel runs several times under ncu), one GQA case (16 query
 heads on 4 kv heads), one odd case (N = 1000, headdim 40, causal) and one block mask (8 documents,
-causal inside each, N = 4096, headdim 64) per family and direction. Families: ``simt`` (float32, CUDA
-cores), ``mma`` (float16, mma.sync, on a Hopper GPU too) and ``wgmma`` (float16, the Hopper kernels).
+causal inside each, N = 4096, headdim 64) per family and direction; and v5's backward with
+deterministic=False (its dK/dV kernel adds dQ with reductions, ``red.global.add``) at headdim 64 and
+N = 4096: plain, causal and the block mask. Families: ``simt`` (float32, CUDA cores), ``mma``
+(float16, mma.sync, on a Hopper GPU too) and ``wgmma`` (float16, the Hopper kernels).
 
 Backward calls run on random ``out`` and finite ``lse``: the kernels' memory traffic does not depend on
 the values, and no forward launch gets between ncu and the kernels measured.
@@ -39,13 +41,14 @@ COUNTERS = {
     "load": "l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum",
     "tma": "l1tex__m_xbar2l1tex_read_bytes_mem_global_op_tma_ld.sum",
     "store": "l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum",
+    "reduce": "l1tex__t_sectors_pipe_lsu_mem_global_op_red.sum",
     "dram_read": "dram__bytes_read.sum",
     "dram_write": "dram__bytes_write.sum",
 }
-SECTOR_COUNTERS = ("load", "store")
+SECTOR_COUNTERS = ("load", "store", "reduce")
 # Kinds of bytes compared: what ncu counts together, and the `sim.hardware.KernelTraffic` fields it is held against.
 KINDS = {"load": ("load_bytes", "copy_bytes"), "tma": ("tma_bytes",), "store": ("store_bytes",),
-         "dram_read": ("dram_read_bytes",), "dram_write": ("dram_write_bytes",)}
+         "reduce": ("reduce_bytes",), "dram_read": ("dram_read_bytes",), "dram_write": ("dram_write_bytes",)}
 
 
 def grid(families, quick):
@@ -67,7 +70,13 @@ def grid(families, quick):
                               batch=max(1, tokens // 1000), nheads=nheads, nheads_kv=nheads))
             cases.append(dict(family=family, backward=backward, headdim=64, seqlen=4096, causal=False,
                               batch=max(1, tokens // 4096), nheads=nheads, nheads_kv=nheads, documents=DOCUMENTS))
-    return [dict(case, documents=case.get("documents", 0)) for case in cases]  # one set of columns for the CSV
+            if family == "wgmma" and backward:  # deterministic=False: v5's dK/dV kernel adds dQ with reductions
+                for causal, documents in ((False, 0), (True, 0), (False, DOCUMENTS)):
+                    cases.append(dict(family=family, backward=True, headdim=64, seqlen=4096, causal=causal,
+                                      batch=tokens // 4096, nheads=nheads, nheads_kv=nheads, documents=documents,
+                                      atomic_dq=True))
+    # one set of columns for the CSV
+    return [dict(case, documents=case.get("documents", 0), atomic_dq=case.get("atomic_dq", False)) for case in cases]
 
 
 DOCUMENTS = 8
@@ -101,8 +110,13 @@ def plan_of(case):
     if case["family"] == "mma":  # on a Hopper GPU the plans run wgmma
         bucket = tiling.mma_headdim_bucket(headdim)
         tiles = tiling.MMA_BACKWARD_TILES[bucket] if backward else tiling.MMA_TILES[bucket]
+    if case["atomic_dq"]:  # no plan picks it by itself (`tiling.make_plan`'s deterministic)
+        tiles = tiling.WGMMA_BACKWARD_TILES[headdim]
     plan = tiling.make_plan(case["batch"], case["nheads"], case["nheads_kv"], case["seqlen"], case["seqlen"], headdim,
-                            dtype_of(case["family"]), backward=backward, tiles=tiles, block_sparse=bool(case["documents"]))
+                            dtype_of(case["family"]), backward=backward, tiles=tiles,
+                            block_sparse=bool(case["documents"]), deterministic=not case["atomic_dq"])
+    if case["atomic_dq"] and plan.dq_strategy != "atomic":
+        raise SystemExit(f"{case}: the plan runs {plan.dq_strategy} dQ, not atomic")
     family = ("wgmma" if isinstance(plan.tiles, tiling.WgmmaTiles) else
               "mma" if isinstance(plan.tiles, tiling.MmaTiles) else "simt")
     if family != case["family"]:
@@ -133,7 +147,7 @@ def worker(cases_path):
             out = cupy.random.standard_normal(q.shape, dtype=cupy.float32).astype(dtype)
             dout = cupy.random.standard_normal(q.shape, dtype=cupy.float32).astype(dtype)
             lse = cupy.full((b, h, n), float(n), dtype=cupy.float32)
-            numbaflash.attention_backward(dout, q, k, v, out, lse, **options)
+            numbaflash.attention_backward(dout, q, k, v, out, lse, deterministic=not case["atomic_dq"], **options)
         else:
             numbaflash.attention(q, k, v, **options)
         cupy.cuda.Device().synchronize()
@@ -195,7 +209,7 @@ def _total(row, side, kinds):
     return None if None in values else sum(values)
 
 
-GLOBAL, DRAM = ("load", "tma", "store"), ("dram_read", "dram_write")
+GLOBAL, DRAM = ("load", "tma", "store", "reduce"), ("dram_read", "dram_write")
 
 
 def _ratio(pred, meas):
@@ -207,19 +221,20 @@ def _ratio(pred, meas):
 
 
 def _mask(row):
-    return f"{row['documents']} docs" if row["documents"] else "causal" if row["causal"] else "-"
+    mask = f"{row['documents']} docs" if row["documents"] else "causal" if row["causal"] else "-"
+    return mask + (" atomic" if row["atomic_dq"] else "")
 
 
 def table(results):
     """The comparison, one line per kernel launch, in MB (10^6 bytes); ratio = predicted / measured."""
-    lines = [f"{'family':6} {'pass':4} {'d':>3} {'N':>5} {'mask':6} {'heads':>5} {'kernel':26} "
+    lines = [f"{'family':6} {'pass':4} {'d':>3} {'N':>5} {'mask':13} {'heads':>5} {'kernel':26} "
              f"{'global pred':>11} {'ncu':>9} {'ratio':>6}  {'DRAM pred':>9} {'ncu':>9} {'ratio':>6}"]
     for r in results:
         g_pred, g_meas = _total(r, "pred", GLOBAL), _total(r, "meas", GLOBAL)
         d_pred, d_meas = _total(r, "pred", DRAM), _total(r, "meas", DRAM)
         mb = lambda x: "n/a" if x is None else f"{x / 1e6:.2f}"
         lines.append(f"{r['family']:6} {'bwd' if r['backward'] else 'fwd':4} {r['headdim']:>3} {r['seqlen']:>5} "
-                     f"{_mask(r):6} {r['nheads']:>2}/{r['nheads_kv']:<2} {r['kernel']:26} "
+                     f"{_mask(r):13} {r['nheads']:>2}/{r['nheads_kv']:<2} {r['kernel']:26} "
                      f"{mb(g_pred):>11} {mb(g_meas):>9} {_ratio(g_pred, g_meas):>6}  "
                      f"{mb(d_pred):>9} {mb(d_meas):>9} {_ratio(d_pred, d_meas):>6}")
     return "\n".join(lines)

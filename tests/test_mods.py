@@ -665,6 +665,55 @@ def test_a_block_masked_backward_skips_empty_tiles_in_both_passes(family, arrays
                 np.testing.assert_allclose(s.astype(np.float32), d.astype(np.float32), rtol=2 ** -7, atol=2 ** -12)
 
 
+def documents_with_other_ids(seqlen):
+    """(doc, one, block mask): three documents, ids of one, and the block mask of the three, causal inside each."""
+    doc = np.repeat(np.arange(3), [6, 20, seqlen - 26]).astype(np.int32)[None]  # (1, seqlen)
+    return doc, np.zeros_like(doc), numbaflash.block_mask(same_document_causal, None, None, seqlen, seqlen,
+                                                           mod_args=(doc,))
+
+
+@pytest.mark.parametrize("family", dict(FAMILIES, **{SHARED: None}))
+def test_a_block_masked_forward_asks_the_mask_mod_nothing(family, arrays, mode):
+    """Every forward family takes a partial tile's verdicts from the block mask's bits (what `sim.hardware`
+    counts): called with mod_args under which the mask_mod would show every causal key (one document), a
+    block-masked call still computes the block mask's documents, bit for bit, where the dense mask_mod call
+    does not."""
+    to_device, to_host = arrays
+    seqlen = 40 if mode == "simulator" else 1024
+    doc, one, bm = documents_with_other_ids(seqlen)
+    dtype, tiles = ("float16", shared_tiles(mode)) if family == SHARED else FAMILIES[family]
+    case = Case(1, seqlen, seqlen, 1, 1, 16, dtype, seed=8)
+    q, k, v = (to_device(x) for x in inputs(case))
+    forward = forward_of(case, tiles)
+    right, wrong, dense_wrong = (to_host(forward(q, k, v, mod_args=(to_device(ids),), **options)) for ids, options
+                                 in [(doc, dict(block_mask=bm)), (one, dict(block_mask=bm)),
+                                     (one, dict(mask_mod=same_document_causal))])
+    assert np.array_equal(right.view(np.uint8), wrong.view(np.uint8))
+    assert not np.array_equal(right.view(np.uint8), dense_wrong.view(np.uint8))
+
+
+@pytest.mark.parametrize("family", BACKWARD_FAMILIES)
+def test_a_block_masked_backward_asks_the_mask_mod_nothing(family, arrays, mode):
+    """The backward's passes too (`test_a_block_masked_forward_asks_the_mask_mod_nothing`)."""
+    to_device, to_host = arrays
+    seqlen = 40 if mode == "simulator" else 1024
+    doc, one, bm = documents_with_other_ids(seqlen)
+    dtype, tiles, deterministic = BACKWARD_FAMILIES[family]
+    tiles = shared_tiles(mode, backward=True) if family == SHARED else tiles
+    plan = tiling.make_plan(1, 1, 1, seqlen, seqlen, 16, dtype, backward=True, tiles=tiles,
+                            deterministic=deterministic)
+    case = Case(1, seqlen, seqlen, 1, 1, 16, dtype, seed=9)
+    q, k, v, dout = inputs(case, extra=[(1, seqlen, 1, 16)])
+    out, lse = reference.attention_forward(q, k, v, mask_mod=same_document_causal, mod_args=(doc,))
+    args = [to_device(x) for x in (dout, q, k, v, out.astype(q.dtype), lse.astype(np.float32))]
+    right, wrong = ([to_host(g) for g in numbaflash.attention_backward(
+        *args, plan=plan, deterministic=deterministic, block_mask=bm, mod_args=(to_device(ids),))]
+        for ids in (doc, one))
+    for name, r, w in zip(("dq", "dk", "dv"), right, wrong):
+        if deterministic or name != "dq":  # the atomic dQ sums in a varying order on a GPU
+            assert np.array_equal(r.view(np.uint8), w.view(np.uint8)), name
+
+
 @pytest.mark.parametrize("parallel", [False, True])
 def test_block_classes_summed_from_the_fine_tiles_match_the_mask_evaluated_for_each_shape(parallel, monkeypatch):
     """`BlockMask.classify` evaluates the mask once and sums 16 x 16 tiles; a shape it cannot sum (24 rows)

@@ -15,8 +15,8 @@
 With a block mask (``mods.block_sparse``) ``mod[0]`` is `numbaflash.block_sparsity.BlockMask.key_tiles`'s
 ``(table, bits)``, made for these tiles and the call's causal/window mask: entry 0 of a query tile is its
 count, entries 1.. are ``2 * key tile + full`` and, after them, each partial tile's slot in ``bits``:
-`verdict_slot`, `verdict_word` and `shown` read them for the forwards' `softmax.steps` mask and the dQ pass's
-`gradients.row_steps`, which ask mask_mod nothing on a block-masked call.
+`verdict_slot`, `verdict_word` and `shown` read them for the forwards' `softmax.steps` mask, the dQ pass's
+`gradients.row_steps` and the CUDA-core kernels (`simt`), which ask mask_mod nothing on a block-masked call.
 
 Skipping mask_mod on full tiles costs registers, as the choice between the two paths is made per tile: with
 ``full`` from the table, ptxas 13.0 kept 124 bytes of local memory in v5's forward at headdim 128 with a
@@ -135,7 +135,8 @@ def verdict_word(mods):
     """``word(mod, slot, r, col, t)``: the word of the verdicts in ``slot`` that holds row ``r``'s tile columns
     ``col ..`` (``col`` a multiple of 8: an 8-column chunk never straddles two 32-bit words), shifted for
     fragment lane ``4 g + t`` (its columns ``col + 2 t``, ``+ 1``), for `shown` to read (a device function cannot
-    return the bits array itself: numba returns only arrays passed in)."""
+    return the bits array itself: numba returns only arrays passed in). A CUDA-core thread passes ``t = 0`` and
+    its first column, its ``thread_n`` columns (a divisor of 32) lying in one word."""
     if mods.block_sparse:
         @device_function
         def word(mod, slot, r, col, t):

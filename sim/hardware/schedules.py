@@ -1,27 +1,31 @@
-"""A block mask's schedule as the tensor-core kernels read it: the loads of its table and of partial tiles' verdicts.
+"""A block mask's schedule as the kernels read it: the loads of its table and of partial tiles' verdicts.
 
 A block-masked call's kernels learn which tiles to visit from the block mask's table (`numbaflash.kernels.key_tiles`,
 `query_tiles`: a block's count, each visit's entry and each visit's slot in the bits) and, on a tile the mask_mod
 does not show whole, each row's verdicts from the bits. Every such load is a warp instruction of its own, and
 `READS` gives, per kernel, how many the compiled code makes (ncu's executed instructions per SASS line, H100, 8
-documents at N = 4096 and 8192 and a causal block mask; `.bench/ncu_bm.py`, `.bench/ncu_mma_bm.py`):
+documents at N = 4096 and 8192 and a causal block mask; `.bench/ncu_bm.py`, `.bench/ncu_mma_bm.py`,
+`.bench/ncu_simt_bm.py`):
 
 * the count: every warp of the block, once, where any key is visible to the block (all lanes at one address: one
   sector); mma.sync's warps also read the first visit's entry before the loop;
-* each visit's entry and slot: each consumer warp, two loads a visit; mma.sync's warps also read the next visit's
-  entry (for its copies) on every visit but the last, and its forward loads the slot only on a partial tile, where
-  its mask step reads it (its entry twice instead: its barriers keep the compiler from reusing the first load);
+* each visit's entry and slot: each consumer warp (every warp of a CUDA-core block), two loads a visit; mma.sync's
+  warps also read the next visit's entry (for its copies) on every visit but the last; mma.sync's forward loads
+  the slot only on a partial tile, where its mask step reads it (its entry twice instead: its barriers keep the
+  compiler from reusing the first load); the CUDA-core kernels load the slot only on a partial tile, their forward
+  the entry twice a visit and their backward passes once;
 * v5's producer: the forward reads the entry of every tile it copies K of and of every tile it copies V of (two a
   visit), the backward passes one a visit, by the one thread that issues the bulk copies (the forward's cp.async
   producer: every producer warp);
 * a partial tile's verdicts: each consumer warp loads each of its fragment rows' 32-column words (lane ``4 g + t``
   at rows ``g`` and ``g + 8`` of each m-tile), once a word, or again for each of its 8-column chunks where the loop
-  over them keeps the load in its branch (`gradients.row_steps` in both dQ passes, mma.sync's dK/dV pass).
+  over them keeps the load in its branch (`gradients.row_steps` in both dQ passes, mma.sync's dK/dV pass); a
+  CUDA-core thread ``(r, c)`` loads, for each of its ``thread_m`` rows (keys in the dK/dV pass), the one word that
+  holds its ``thread_n`` columns.
 
 Requested sectors follow from the lanes' addresses; the L2 model sees each block's table row and each slot's words.
-v5's dK/dV kernel that also accumulates dQ (deterministic=False) is taken to read as the dK/dV pass (not measured).
-Not modelled: the CUDA-core kernels, which ask the mask_mod on partial tiles (its loads are the user's), and v3's
-wgmma kernels without a producer warpgroup.
+v5's dK/dV kernel that also accumulates dQ (deterministic=False) reads as the dK/dV pass (its global bytes equal
+ncu's, `measure_io`'s atomic cases). Not modelled: v3's wgmma kernels without a producer warpgroup.
 """
 
 from dataclasses import dataclass
@@ -31,7 +35,7 @@ import numpy as np
 from numbaflash.block_sparsity import FULL
 from numbaflash.kernels.fragments import lane_row
 from numbaflash.kernels.wgmma.pipeline import PRODUCER
-from numbaflash.tiling import MmaTiles, WgmmaTiles
+from numbaflash.tiling import MmaTiles, Tiles, WgmmaTiles
 
 from .sectors import sectors, unique_bytes
 
@@ -47,10 +51,10 @@ class Reads:
     next_visit: int  # per consumer warp and visit but the last
     partial: int  # per consumer warp and partial visit, beside its verdicts
     producer: int  # per visit, by the producer's issuing thread
-    chunked: bool  # verdict words loaded once per 8-column chunk
+    chunked: bool  # verdict words loaded once per 8-column chunk (the tensor-core kernels' fragments)
 
 
-# (family, pass) -> Reads; family "v5" (a producer warpgroup) or "mma"
+# (family, pass) -> Reads; family "v5" (a producer warpgroup), "mma" or "simt" (the CUDA cores)
 READS = {
     ("v5", "forward"): Reads(first=0, visit=2, next_visit=0, partial=0, producer=2, chunked=False),
     ("v5", "dq"): Reads(first=0, visit=2, next_visit=0, partial=0, producer=1, chunked=True),
@@ -58,6 +62,9 @@ READS = {
     ("mma", "forward"): Reads(first=1, visit=2, next_visit=1, partial=1, producer=0, chunked=False),
     ("mma", "dq"): Reads(first=1, visit=2, next_visit=1, partial=0, producer=0, chunked=True),
     ("mma", "dkdv"): Reads(first=1, visit=2, next_visit=1, partial=0, producer=0, chunked=True),
+    ("simt", "forward"): Reads(first=0, visit=2, next_visit=0, partial=1, producer=0, chunked=False),
+    ("simt", "dq"): Reads(first=0, visit=1, next_visit=0, partial=1, producer=0, chunked=False),
+    ("simt", "dkdv"): Reads(first=0, visit=1, next_visit=0, partial=1, producer=0, chunked=False),
 }
 
 
@@ -71,7 +78,7 @@ def family(tiles):
     """The key of `READS` for a plan's tiles, None where the kernels' schedule reads are not modelled."""
     if isinstance(tiles, WgmmaTiles) and tiles.producer:
         return "v5"
-    return "mma" if isinstance(tiles, MmaTiles) else None
+    return "mma" if isinstance(tiles, MmaTiles) else "simt" if isinstance(tiles, Tiles) else None
 
 
 class ScheduleReads:
@@ -105,6 +112,8 @@ class ScheduleReads:
         cp_async_producer = which == "v5" and kind == "forward" and not t.tma
         self.producer = self.reads.producer * (PRODUCER // 32 if cp_async_producer else 1)
         self.warps = t.threads // 32
+        self.simt = which == "simt"
+        self.consumers = self.warps if self.simt else t.warps  # warps that read the visits
 
     def charge(self, ledger, b, head, block, visits):
         """A block's reads: ``head`` the query head (forward, dQ) or kv head (dK/dV), ``block`` its query or key
@@ -122,7 +131,7 @@ class ScheduleReads:
 
         def make():
             r = self.reads
-            loads = self.warps + n * self.producer + self.tiles.warps * (
+            loads = self.warps + n * self.producer + self.consumers * (
                 (r.first if n else 0) + n * r.visit + max(n - 1, 0) * r.next_visit + partials * r.partial)
             read = np.concatenate([[0], 1 + np.arange(n), self.width // 2 + 1 + np.arange(n)])  # count, entries, slots
             return loads * 32, unique_bytes((row + read) * ENTRY_BYTES, ENTRY_BYTES)
@@ -135,8 +144,15 @@ class ScheduleReads:
 
     def _verdict_cost(self):
         """One partial tile's verdict loads by every consumer warp: (requested bytes, distinct bytes); a slot's
-        words start on a sector (``block_m`` rows of whole words), so every slot costs the same."""
+        words start on a sector (``block_m`` rows of whole words), so every slot costs the same. ``addresses``: a
+        row per warp instruction, a column per lane."""
         t = self.tiles
+        if self.simt:  # thread (r, c): its rows r thread_m + a, the word of its columns c thread_n ..
+            lanes = np.arange(t.threads).reshape(-1, 32)
+            r, c = lanes // t.cols_t, lanes % t.cols_t
+            addresses = np.concatenate([((r * t.thread_m + a) * self.words + c * t.thread_n // 32) * ENTRY_BYTES
+                                        for a in range(t.thread_m)])
+            return sectors(addresses) * 32, unique_bytes(addresses, ENTRY_BYTES)
         g = np.arange(32) // 4
         chunks = min(4, -(-t.block_n // 8)) if self.reads.chunked else 1  # loads of each word
         rows = [t.rows_per_warp * warp + lane_row(r, g) for warp in range(t.warps) for r in range(2 * t.m_tiles)]

@@ -34,7 +34,7 @@ from .. import elements
 from ..blocks import key_block, query_block
 from ..intrinsics import device_function, group_sum
 from ..fragments import fill
-from ..key_tiles import key_tiles
+from ..key_tiles import key_tiles, shown, verdict_slot, verdict_word
 from ..mods import kernel_type, modifiers
 from ..query_tiles import query_tiles
 from ..sequences import sequences, stats_start, stats_tile_rows
@@ -264,6 +264,8 @@ def build_dkdv(D, tiles, storage, mods=NONE):
     write_row = patch_writer(TD, VV, COLS_T, from_acc)
     load_rows = _rows_statistics(TQ, ACC)
     tile_count, tile_of, tile_full = query_tiles(mods, BLOCK_K, BLOCK_Q)
+    tile_slot, word_of = verdict_slot(mods, BLOCK_K), verdict_word(mods)
+    SPARSE = mods.block_sparse  # a partial visit's verdicts come from the block mask's bits (a row per key)
     modifier = modifiers(mods, ACC)
     prepare, logit2, visible, natural = modifier.prepare, modifier.logit2, modifier.visible, modifier.natural
 
@@ -305,10 +307,15 @@ def build_dkdv(D, tiles, storage, mods=NONE):
             part = cuda.local.array((TK, TQ), ACC)
             lse2 = cuda.local.array(TQ, ACC)
             dsum = cuda.local.array(TQ, ACC)
+            words = cuda.local.array(TK, types.int32)  # each of the thread's keys' verdicts on its TQ query rows
             for it in range(ntiles):
                 h, q_start = tile_of(mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, it)
                 bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)
                 block_full = tile_full(mod, b, hk, key_start, it)
+                if SPARSE and not block_full:  # loaded before the tile's copies and products, which hide their latency
+                    slot = tile_slot(mod, b, hk, key_start, it)
+                    for a in range(TK):
+                        words[a] = word_of(mod, slot, r * TK + a, c * TQ, 0)  # TQ divides 32: one word
                 q_end = min(q_start + BLOCK_Q, seqlen_q)
                 cuda.syncthreads()  # the previous tile's products are done with every buffer
                 stage_q_t(q_buf, LDQ, q, b, q_start, h, scale_log2, tid, vec)
@@ -329,7 +336,8 @@ def build_dkdv(D, tiles, storage, mods=NONE):
                         key = key_start + r * TK + a
                         p, grad = ZERO, ZERO
                         if ((full or (key >= lo_b and key < hi_b)) and row < seqlen_q
-                                and (block_full or visible(b, h, row, key, bh))):
+                                and (block_full or (shown(words[a], c * TQ, bb) if SPARSE
+                                                    else visible(b, h, row, key, bh)))):
                             x, grad = logit2(s[a, bb], ONE, b, h, row, key, abs(distance - ACC(a)), bh)
                             p = math.exp2(x - lse2[bb])
                         p_s[(c * TQ + bb) * LDP + r * TK + a] = p
@@ -370,6 +378,8 @@ def build_dq(D, tiles, storage, mods=NONE):
     write_row = patch_writer(TD, VV, COLS_T, from_acc)
     load_rows = _rows_statistics(TM, ACC)
     tile_count, tile_start, tile_full = key_tiles(mods, BLOCK_M, BLOCK_N)
+    tile_slot, word_of = verdict_slot(mods, BLOCK_M), verdict_word(mods)
+    SPARSE = mods.block_sparse  # a partial tile's verdicts come from the block mask's bits, not the mask_mod
     modifier = modifiers(mods, ACC)
     prepare, logit2, visible, natural = modifier.prepare, modifier.logit2, modifier.visible, modifier.natural
 
@@ -409,9 +419,14 @@ def build_dq(D, tiles, storage, mods=NONE):
             dsum = cuda.local.array(TM, ACC)
             load_rows(lse2, dsum, lse, delta, b, h, row_start + r * TM)
 
+            words = cuda.local.array(TM, types.int32)  # each of the thread's rows' verdicts on its TN keys
             for it in range(ntiles):
                 n_start = tile_start(mod, b, h, row_start, n_base, it)
                 block_full = tile_full(mod, b, h, row_start, it)
+                if SPARSE and not block_full:  # loaded before the tile's copies and products, which hide their latency
+                    slot = tile_slot(mod, b, h, row_start, it)
+                    for a in range(TM):
+                        words[a] = word_of(mod, slot, r * TM + a, c * TN, 0)  # TN divides 32: one word
                 cuda.syncthreads()  # the previous tile's dQ product is done with K; Q^T, dO^T complete
                 stage_k_t(k_buf, LDK, k, b, n_start, hk, ONE, tid, vec)
                 stage_k_t(v_t, LDK, v, b, n_start, hk, ONE, tid, vec)
@@ -430,7 +445,8 @@ def build_dq(D, tiles, storage, mods=NONE):
                         key = n_start + c * TN + bb
                         ds = ZERO
                         if ((full or (key >= lo_a and key < hi_a)) and row < seqlen_q
-                                and (block_full or visible(b, h, row, key, bh))):
+                                and (block_full or (shown(words[a], c * TN, bb) if SPARSE
+                                                    else visible(b, h, row, key, bh)))):
                             x, grad = logit2(s[a, bb], ONE, b, h, row, key, abs(distance - ACC(bb)), bh)
                             ds = math.exp2(x - lse2[a]) * (dp[a, bb] - dsum[a]) * grad
                         ds_t[(c * TN + bb) * LDD + r * TM + a] = ds

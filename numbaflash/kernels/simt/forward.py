@@ -33,7 +33,7 @@ from .. import elements
 from ..blocks import query_block, write_hidden_rows
 from ..intrinsics import group_max, group_sum
 from ..fragments import fill
-from ..key_tiles import key_tiles
+from ..key_tiles import key_tiles, shown, verdict_slot, verdict_word
 from ..sequences import sequences
 from ..mods import kernel_type, modifiers
 from .tiles import in_parts, outer_product, patch_writer, stagers, vector_width
@@ -72,7 +72,8 @@ def build(D, tiles, storage, mods=NONE):
     MODIFIED, MASKED, prepare, logit, visible = (modifier.modified, modifier.masked, modifier.prepare, modifier.logit,
                                                  modifier.visible)
     tile_count, tile_start, tile_full = key_tiles(mods, BLOCK_M, BLOCK_N)
-    SPARSE = mods.block_sparse
+    tile_slot, word_of = verdict_slot(mods, BLOCK_M), verdict_word(mods)
+    SPARSE = mods.block_sparse  # a partial tile's verdicts come from the block mask's bits, not the mask_mod
     stage_q, _ = stagers(BLOCK_M, D, THREADS, ZERO, to_acc)
     stage_k, stage_v = stagers(BLOCK_N, D, THREADS, ZERO, to_acc)
     WIDE = tiles.float64_scores
@@ -129,8 +130,14 @@ def build(D, tiles, storage, mods=NONE):
             l_i[a] = ZERO
         fill(acc, TM, TD, ZERO)
 
+        words = cuda.local.array(TM, types.int32)  # each of the thread's rows' verdicts on its TN keys
         for it in range(ntiles):
             n_start = tile_start(mod, b, h, row_start, n_base, it)
+            masked = MASKED and not tile_full(mod, b, h, row_start, it)  # mask_mod not known true on all of it
+            if SPARSE and masked:  # loaded before the tile's copies and products, which hide their latency
+                slot = tile_slot(mod, b, h, row_start, it)
+                for a in range(TM):
+                    words[a] = word_of(mod, slot, r * TM + a, c * TN, 0)  # TN divides 32: one word
             # Everyone is done reading the previous K, V and P tiles (and the Q tile is complete).
             cuda.syncthreads()
             stage_k(k_t, LDK, k, b, n_start, hk, ONE, tid, vec)
@@ -146,7 +153,6 @@ def build(D, tiles, storage, mods=NONE):
 
             # Only tiles that straddle the mask edge or the end of the keys pay for per-element masking,
             # unless modifications (`kernels.mods`) turn every visible score or a mask_mod may hide some.
-            masked = MASKED and not tile_full(mod, b, h, row_start, it)  # mask_mod not known true on all of it
             if MODIFIED or masked or not masks.tile_is_full(row_start, row_end, n_start, n_start + BLOCK_N, seqlen_q,
                                                             seqlen_k, left, right):
                 for a in range(TM):
@@ -155,7 +161,10 @@ def build(D, tiles, storage, mods=NONE):
                     distance = ACC(row + seqlen_k - seqlen_q - n_start - c * TN)  # ALiBi's, for the first key
                     for bb in range(TN):
                         key = n_start + c * TN + bb
-                        if key < lo_a or key >= hi_a or row >= seqlen_q or (masked and not visible(b, h, row, key, bh)):
+                        hidden = key < lo_a or key >= hi_a or row >= seqlen_q
+                        if masked and not hidden:  # the user's mask_mod sees only indices in bounds
+                            hidden = not (shown(words[a], c * TN, bb) if SPARSE else visible(b, h, row, key, bh))
+                        if hidden:
                             s[a, bb] = NEG_INF
                         elif MODIFIED:  # Q was scaled by softmax_scale: natural-log scores
                             s[a, bb] = logit(ACC(s[a, bb]), b, h, row, key, abs(distance - ACC(bb)), bh) * LOG2E
