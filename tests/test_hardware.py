@@ -269,14 +269,14 @@ def test_the_kernels_read_a_block_masks_schedule_as_compiled():
     assert (masked.copy_bytes, masked.store_bytes) == (causal.copy_bytes, causal.store_bytes)
     # The CUDA-core kernels, 64 x 64 tiles of 16 x 16 threads (8 warps) with 4 x 4 scores each: query blocks see 1, 2,
     # 3, 4 key tiles (dK/dV blocks 4, 3, 2, 1 query tiles), one partial each. Every warp loads the count, per visit
-    # the entry (twice in the forward), per partial tile its slot and, for each of a thread's 4 rows, the word of
-    # its 4 columns: 2 rows a warp, 32 bytes apart (2 words of 4 bytes a row): 2 sectors.
+    # the entry and the slot, and per partial tile, for each of a thread's 4 rows, the word of its 4 columns: 2 rows
+    # a warp, 32 bytes apart (2 words of 4 bytes a row): 2 sectors.
     tiles, warps = tiling.Tiles(64, 64, 4, 4), 8
-    for backward, per_visit in ((False, 2), (True, 1)):
+    for backward in (False, True):
         masked, causal = (traffic(1, 1, 1, seqlen, seqlen, 64, "float32", tiles=tiles, backward=backward, **mask_)
                           for mask_ in (dict(block_mask=mask), dict(causal=True)))
         reads = {k.kernel: k.load_bytes - u.load_bytes for k, u in zip(masked, causal)}
-        schedule = 32 * warps * (4 * 1 + 10 * per_visit + 4 * (1 + 4 * 2))
+        schedule = 32 * warps * (4 * 1 + 10 * 2 + 4 * 4 * 2)
         assert reads == ({"simt_forward": schedule} if not backward else
                          {"simt_backward_preprocess": 0, "simt_backward_dkdv": schedule, "simt_backward_dq": schedule})
 

@@ -12,8 +12,7 @@ documents at N = 4096 and 8192 and a causal block mask; `.bench/ncu_bm.py`, `.be
 * each visit's entry and slot: each consumer warp (every warp of a CUDA-core block), two loads a visit; mma.sync's
   warps also read the next visit's entry (for its copies) on every visit but the last; mma.sync's forward loads
   the slot only on a partial tile, where its mask step reads it (its entry twice instead: its barriers keep the
-  compiler from reusing the first load); the CUDA-core kernels load the slot only on a partial tile, their forward
-  the entry twice a visit and their backward passes once;
+  compiler from reusing the first load);
 * v5's producer: the forward reads the entry of every tile it copies K of and of every tile it copies V of (two a
   visit), the backward passes one a visit, by the one thread that issues the bulk copies (the forward's cp.async
   producer: every producer warp);
@@ -62,9 +61,9 @@ READS = {
     ("mma", "forward"): Reads(first=1, visit=2, next_visit=1, partial=1, producer=0, chunked=False),
     ("mma", "dq"): Reads(first=1, visit=2, next_visit=1, partial=0, producer=0, chunked=True),
     ("mma", "dkdv"): Reads(first=1, visit=2, next_visit=1, partial=0, producer=0, chunked=True),
-    ("simt", "forward"): Reads(first=0, visit=2, next_visit=0, partial=1, producer=0, chunked=False),
-    ("simt", "dq"): Reads(first=0, visit=1, next_visit=0, partial=1, producer=0, chunked=False),
-    ("simt", "dkdv"): Reads(first=0, visit=1, next_visit=0, partial=1, producer=0, chunked=False),
+    ("simt", "forward"): Reads(first=0, visit=2, next_visit=0, partial=0, producer=0, chunked=False),
+    ("simt", "dq"): Reads(first=0, visit=2, next_visit=0, partial=0, producer=0, chunked=False),
+    ("simt", "dkdv"): Reads(first=0, visit=2, next_visit=0, partial=0, producer=0, chunked=False),
 }
 
 

@@ -311,9 +311,12 @@ def build_dkdv(D, tiles, storage, mods=NONE):
             for it in range(ntiles):
                 h, q_start = tile_of(mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, it)
                 bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)
-                block_full = tile_full(mod, b, hk, key_start, it)
-                if SPARSE and not block_full:  # loaded before the tile's copies and products, which hide their latency
+                if SPARSE:  # the visit's slot in the block mask's bits, -1 where the mask_mod shows it whole
                     slot = tile_slot(mod, b, hk, key_start, it)
+                    block_full = slot < 0
+                else:
+                    slot, block_full = -1, tile_full(mod, b, hk, key_start, it)
+                if SPARSE and not block_full:  # loaded before the tile's copies and products, which hide their latency
                     for a in range(TK):
                         words[a] = word_of(mod, slot, r * TK + a, c * TQ, 0)  # TQ divides 32: one word
                 q_end = min(q_start + BLOCK_Q, seqlen_q)
@@ -422,9 +425,12 @@ def build_dq(D, tiles, storage, mods=NONE):
             words = cuda.local.array(TM, types.int32)  # each of the thread's rows' verdicts on its TN keys
             for it in range(ntiles):
                 n_start = tile_start(mod, b, h, row_start, n_base, it)
-                block_full = tile_full(mod, b, h, row_start, it)
-                if SPARSE and not block_full:  # loaded before the tile's copies and products, which hide their latency
+                if SPARSE:  # the tile's slot in the block mask's bits, -1 where the mask_mod shows it whole
                     slot = tile_slot(mod, b, h, row_start, it)
+                    block_full = slot < 0
+                else:
+                    slot, block_full = -1, tile_full(mod, b, h, row_start, it)
+                if SPARSE and not block_full:  # loaded before the tile's copies and products, which hide their latency
                     for a in range(TM):
                         words[a] = word_of(mod, slot, r * TM + a, c * TN, 0)  # TN divides 32: one word
                 cuda.syncthreads()  # the previous tile's dQ product is done with K; Q^T, dO^T complete

@@ -130,14 +130,13 @@ def build(D, tiles, storage, mods=NONE):
             l_i[a] = ZERO
         fill(acc, TM, TD, ZERO)
 
-        words = cuda.local.array(TM, types.int32)  # each of the thread's rows' verdicts on its TN keys
         for it in range(ntiles):
             n_start = tile_start(mod, b, h, row_start, n_base, it)
-            masked = MASKED and not tile_full(mod, b, h, row_start, it)  # mask_mod not known true on all of it
-            if SPARSE and masked:  # loaded before the tile's copies and products, which hide their latency
+            if SPARSE:  # the tile's slot in the block mask's bits, -1 where the mask_mod shows it whole
                 slot = tile_slot(mod, b, h, row_start, it)
-                for a in range(TM):
-                    words[a] = word_of(mod, slot, r * TM + a, c * TN, 0)  # TN divides 32: one word
+                masked = slot >= 0
+            else:  # mask_mod not known true on all of it
+                slot, masked = -1, MASKED and not tile_full(mod, b, h, row_start, it)
             # Everyone is done reading the previous K, V and P tiles (and the Q tile is complete).
             cuda.syncthreads()
             stage_k(k_t, LDK, k, b, n_start, hk, ONE, tid, vec)
@@ -159,11 +158,14 @@ def build(D, tiles, storage, mods=NONE):
                     row = row_start + r * TM + a
                     lo_a, hi_a = masks.key_range(row, seqlen_q, seqlen_k, left, right)
                     distance = ACC(row + seqlen_k - seqlen_q - n_start - c * TN)  # ALiBi's, for the first key
+                    # the row's verdicts on the thread's TN keys, one word (TN divides 32), loaded here: loaded before
+                    # the tile's copies and products, a thread's four words took 16 bytes of local memory at d = 64
+                    word = word_of(mod, slot, r * TM + a, c * TN, 0) if SPARSE and masked else types.int32(0)
                     for bb in range(TN):
                         key = n_start + c * TN + bb
                         hidden = key < lo_a or key >= hi_a or row >= seqlen_q
                         if masked and not hidden:  # the user's mask_mod sees only indices in bounds
-                            hidden = not (shown(words[a], c * TN, bb) if SPARSE else visible(b, h, row, key, bh))
+                            hidden = not (shown(word, c * TN, bb) if SPARSE else visible(b, h, row, key, bh))
                         if hidden:
                             s[a, bb] = NEG_INF
                         elif MODIFIED:  # Q was scaled by softmax_scale: natural-log scores
