@@ -34,7 +34,7 @@ from .. import elements
 from ..blocks import key_block, query_block
 from ..intrinsics import device_function, group_sum
 from ..fragments import fill
-from ..key_tiles import key_tiles, shown, verdict_slot, verdict_word
+from ..key_tiles import key_tiles, shown, thread_verdicts
 from ..mods import kernel_type, modifiers
 from ..query_tiles import query_tiles
 from ..sequences import sequences, stats_start, stats_tile_rows
@@ -264,7 +264,7 @@ def build_dkdv(D, tiles, storage, mods=NONE):
     write_row = patch_writer(TD, VV, COLS_T, from_acc)
     load_rows = _rows_statistics(TQ, ACC)
     tile_count, tile_of, tile_full = query_tiles(mods, BLOCK_K, BLOCK_Q)
-    tile_slot, word_of = verdict_slot(mods, BLOCK_K), verdict_word(mods)
+    visit_whole = thread_verdicts(mods, BLOCK_K, TK, tile_full)
     SPARSE = mods.block_sparse  # a partial visit's verdicts come from the block mask's bits (a row per key)
     modifier = modifiers(mods, ACC)
     prepare, logit2, visible, natural = modifier.prepare, modifier.logit2, modifier.visible, modifier.natural
@@ -311,14 +311,8 @@ def build_dkdv(D, tiles, storage, mods=NONE):
             for it in range(ntiles):
                 h, q_start = tile_of(mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, it)
                 bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)
-                if SPARSE:  # the visit's slot in the block mask's bits, -1 where the mask_mod shows it whole
-                    slot = tile_slot(mod, b, hk, key_start, it)
-                    block_full = slot < 0
-                else:
-                    slot, block_full = -1, tile_full(mod, b, hk, key_start, it)
-                if SPARSE and not block_full:  # loaded before the tile's copies and products, which hide their latency
-                    for a in range(TK):
-                        words[a] = word_of(mod, slot, r * TK + a, c * TQ, 0)  # TQ divides 32: one word
+                # the verdicts loaded before the tile's copies and products, which hide their latency
+                block_full = visit_whole(words, mod, b, hk, key_start, it, r * TK, c * TQ)
                 q_end = min(q_start + BLOCK_Q, seqlen_q)
                 cuda.syncthreads()  # the previous tile's products are done with every buffer
                 stage_q_t(q_buf, LDQ, q, b, q_start, h, scale_log2, tid, vec)
@@ -381,7 +375,7 @@ def build_dq(D, tiles, storage, mods=NONE):
     write_row = patch_writer(TD, VV, COLS_T, from_acc)
     load_rows = _rows_statistics(TM, ACC)
     tile_count, tile_start, tile_full = key_tiles(mods, BLOCK_M, BLOCK_N)
-    tile_slot, word_of = verdict_slot(mods, BLOCK_M), verdict_word(mods)
+    visit_whole = thread_verdicts(mods, BLOCK_M, TM, tile_full)
     SPARSE = mods.block_sparse  # a partial tile's verdicts come from the block mask's bits, not the mask_mod
     modifier = modifiers(mods, ACC)
     prepare, logit2, visible, natural = modifier.prepare, modifier.logit2, modifier.visible, modifier.natural
@@ -425,14 +419,8 @@ def build_dq(D, tiles, storage, mods=NONE):
             words = cuda.local.array(TM, types.int32)  # each of the thread's rows' verdicts on its TN keys
             for it in range(ntiles):
                 n_start = tile_start(mod, b, h, row_start, n_base, it)
-                if SPARSE:  # the tile's slot in the block mask's bits, -1 where the mask_mod shows it whole
-                    slot = tile_slot(mod, b, h, row_start, it)
-                    block_full = slot < 0
-                else:
-                    slot, block_full = -1, tile_full(mod, b, h, row_start, it)
-                if SPARSE and not block_full:  # loaded before the tile's copies and products, which hide their latency
-                    for a in range(TM):
-                        words[a] = word_of(mod, slot, r * TM + a, c * TN, 0)  # TN divides 32: one word
+                # the verdicts loaded before the tile's copies and products, which hide their latency
+                block_full = visit_whole(words, mod, b, h, row_start, it, r * TM, c * TN)
                 cuda.syncthreads()  # the previous tile's dQ product is done with K; Q^T, dO^T complete
                 stage_k_t(k_buf, LDK, k, b, n_start, hk, ONE, tid, vec)
                 stage_k_t(v_t, LDK, v, b, n_start, hk, ONE, tid, vec)
