@@ -16,7 +16,8 @@ With a block mask (``mods.block_sparse``) ``mod[0]`` is `numbaflash.block_sparsi
 ``(table, bits)``, made for these tiles and the call's causal/window mask: entry 0 of a query tile is its
 count, entries 1.. are ``2 * key tile + full`` and, after them, each partial tile's slot in ``bits``:
 `verdict_slot`, `verdict_word` and `shown` read them for the forwards' `softmax.steps` mask, the dQ pass's
-`gradients.row_steps` and the CUDA-core kernels (`simt`), which ask mask_mod nothing on a block-masked call.
+`gradients.row_steps` and the CUDA-core kernels (`simt`, the backward passes through `thread_verdicts`), which ask
+mask_mod nothing on a block-masked call.
 
 Skipping mask_mod on full tiles costs registers, as the choice between the two paths is made per tile: with
 ``full`` from the table, ptxas 13.0 kept 124 bytes of local memory in v5's forward at headdim 128 with a

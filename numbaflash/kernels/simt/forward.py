@@ -158,8 +158,8 @@ def build(D, tiles, storage, mods=NONE):
                     row = row_start + r * TM + a
                     lo_a, hi_a = masks.key_range(row, seqlen_q, seqlen_k, left, right)
                     distance = ACC(row + seqlen_k - seqlen_q - n_start - c * TN)  # ALiBi's, for the first key
-                    # the row's verdicts on the thread's TN keys, one word (TN divides 32), loaded here: loaded before
-                    # the tile's copies and products, a thread's four words took 16 bytes of local memory at d = 64
+                    # the row's verdicts on the thread's TN keys: one word (TN divides 32), loaded here, as the TM
+                    # words loaded before the tile's copies and products took 16 bytes of local memory at d = 64
                     word = word_of(mod, slot, r * TM + a, c * TN, 0) if SPARSE and masked else types.int32(0)
                     for bb in range(TN):
                         key = n_start + c * TN + bb
