@@ -12,8 +12,10 @@ At its start a block of a kernel built with ``mods.packed`` narrows its operands
 
 so the rest of the kernel reads ``x[b, row, ...]`` with rows and lengths local to that sequence, as in a
 padded batch, and masks, ALiBi and the user's functions see local indices: the call equals one call per
-sequence. The narrowing is written in each kernel, not here, because a CUDA device function may not
-return a new array view; ``PACKED`` is a compile-time constant, so other kernels compile without it.
+sequence. The narrowing is written in each kernel, which narrows only what it reads and where (v5's forward
+narrows out and lse after its loop: views live through it kept 60-120 bytes of local memory). A device function
+returning the views compiles too (numba-cuda 0.30), but it changed the packed kernels' SASS, which no GPU has
+checked yet. ``PACKED`` is a compile-time constant, so other kernels compile without it.
 The grid of a varlen call covers its longest sequence: a block whose first row (or key) lies past its
 own sequence's length returns at once.
 
