@@ -590,10 +590,13 @@ def _modifications_line(modified):
         return "none (no softcap, ALiBi, score_mod or mask_mod)"
     how = ["scores modified in natural-log units" if modified.scores_modified else "scores keep the plain scale"]
     if modified.mask_mod is not None:
-        how.append("mask_mod's verdicts on every tile " + ("the block mask does not find full" if modified.block_sparse
-                                                           else "the causal/window mask shows"))
-    return (f"{modified.describe()}, compiled into the kernels: {'; '.join(how)} (the traffic below leaves out "
-            "the slopes and mod_args they read, which the caches serve)")
+        how.append("mask_mod's verdicts, read from the block mask's bits, on every tile it does not find full"
+                   if modified.block_sparse else "mask_mod's verdicts on every tile the causal/window mask shows")
+    # What the kernels read beside the operands (and a block mask's table and bits, which the GPU line counts).
+    reads = [name for name, read in (("slopes", modified.alibi), ("mod_args", modified.per_score_functions)) if read]
+    left_out = (f" (the traffic below leaves out the {' and '.join(reads)} the kernels read, which the caches serve)"
+                if reads else "")
+    return f"{modified.describe()}, compiled into the kernels: {'; '.join(how)}{left_out}"
 
 
 def _block_mask_lines(call, the_plan, backward):

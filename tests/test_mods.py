@@ -782,6 +782,11 @@ def test_explain_names_the_modifications_and_what_the_block_mask_skips():
     causal = numbaflash.block_mask(lambda b, h, i, j: j <= i, None, None, 8, 8)
     forward = numbaflash.explain(Q, Q, Q, softcap=2.0, block_mask=causal)
     assert "softcap, mask_mod" in forward and "scores modified in natural-log units" in forward
+    # a block mask's verdicts come from its bits: the kernels call no user function, so read no mod_args
+    assert "mask_mod's verdicts, read from the block mask's bits" in forward and "leaves out" not in forward
+    assert "leaves out the mod_args the kernels read" in numbaflash.explain(Q, Q, Q, mask_mod=causal.mask_mod)
+    assert "leaves out the slopes the kernels read" in numbaflash.explain(
+        Q, Q, Q, alibi_slopes=np.ones(Q.shape[2], np.float32))
     assert "of the 16 x 16 tiles are not empty: the forward visits only those" in forward
     # sim counts the block mask's tiles only: over 64 rows a causal block mask empties the upper tiles.
     q64 = np.zeros((1, 64, 1, 16), np.float32)
