@@ -234,8 +234,8 @@ def test_a_block_mask_equal_to_causal_moves_what_causal_moves(family):
 
 
 def test_the_kernels_read_a_block_masks_schedule_as_compiled():
-    """The tensor-core kernels read a block mask's schedule in warp instructions of their own (`sim.hardware.schedules`,
-    each count held against ncu's on the H100). A causal block mask, one head, N = 256, d = 64.
+    """The kernels read a block mask's schedule in warp instructions of their own (`sim.hardware.schedules`, each count
+    held against ncu's on the H100): v5, mma.sync and the CUDA cores. A causal block mask, one head, N = 256, d = 64.
 
     v5 on the block masks' tiles: every one of a block's 8 warps loads its count (one sector, all lanes at one
     address); per visit, each of the 4 consumer warps its entry and its slot, and the producer's thread the entry of

@@ -150,18 +150,19 @@ def verdict_word(mods):
     return word
 
 
-def thread_verdicts(mods, BLOCK_M, ROWS, full):
-    """``visit(words, mod, b, h, start, it, row, col)``: whether the ``it``-th visit of the block at ``start`` (`full`'s
-    arguments) is whole, and where it is not, a CUDA-core thread's verdict words of its ``ROWS`` rows from ``row`` (a
-    dK/dV pass's keys) and its columns from ``col``, which lie in one word, into ``words`` for `shown`. With a block
-    mask the visit's slot says both (-1: whole); ``full`` (`key_tiles` or `query_tiles`) says it otherwise."""
+def thread_verdicts(mods, BLOCK_M, ROWS):
+    """``visit(words, mod, b, h, start, it, row, col)``: whether the block mask shows the ``it``-th visit of the block
+    at ``start`` whole (`verdict_slot`'s arguments; False without a block mask, as `key_tiles`' ``full``), and where
+    it does not, a CUDA-core thread's verdict words of its ``ROWS`` rows from ``row`` (a dK/dV pass's keys) and its
+    columns from ``col``, which lie in one word, into ``words`` for `shown`. The visit's slot says both (-1: whole),
+    so the table's full bit is not read."""
     slot_of, word_of = verdict_slot(mods, BLOCK_M), verdict_word(mods)
     SPARSE = mods.block_sparse
 
     @device_function
     def visit(words, mod, b, h, start, it, row, col):
         if not SPARSE:
-            return full(mod, b, h, start, it)
+            return False
         slot = slot_of(mod, b, h, start, it)
         if slot >= 0:
             for a in range(ROWS):

@@ -153,8 +153,8 @@ def predict(plan, *, causal=False, window_size=(-1, -1), operands=None, gpu=None
     ``causal``, ``window_size``: the call's mask. ``operands``: `Operand` layouts by name (q, k, v, out,
     lse, dout, delta, dq, dk, dv) where they are not contiguous; ``gpu``: a `Gpu` (default: the current
     one, or `H100` without one); ``block_mask``: the call's `numbaflash.block_mask(...)`, whose empty
-    tiles the kernels skip, and whose schedule the tensor-core kernels read (`schedules`: v5's and mma.sync's;
-    the CUDA-core kernels' reads of it and the user's functions' own loads are left out). Returns a
+    tiles the kernels skip, and whose schedule they read (`schedules`: v5's, mma.sync's and the CUDA-core
+    kernels'; v3's reads of it and the user's functions' own loads are left out). Returns a
     `HardwarePrediction`, one `KernelTraffic` per launch.
     """
     from numbaflash.block_sparsity import BlockMask

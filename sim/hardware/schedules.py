@@ -36,6 +36,7 @@ from numbaflash.kernels.fragments import lane_row
 from numbaflash.kernels.wgmma.pipeline import PRODUCER
 from numbaflash.tiling import MmaTiles, Tiles, WgmmaTiles
 
+from .patterns import simt_lanes
 from .sectors import sectors, unique_bytes
 
 ENTRY_BYTES = 4  # int32 tables and verdict words
@@ -81,8 +82,8 @@ def family(tiles):
 
 
 class ScheduleReads:
-    """The schedule reads of one pass (``kind``: "forward", "dq" or "dkdv") of a tensor-core plan with a block mask,
-    charged block by block to a `kernels.Ledger`."""
+    """The schedule reads of one pass (``kind``: "forward", "dq" or "dkdv") of a plan with a block mask whose kernels'
+    reads are modelled (`family`), charged block by block to a `kernels.Ledger`."""
 
     def __init__(self, walk, kind):
         t, mask = walk.plan.tiles, walk.block_mask
@@ -147,8 +148,7 @@ class ScheduleReads:
         row per warp instruction, a column per lane."""
         t = self.tiles
         if self.simt:  # thread (r, c): its rows r thread_m + a, the word of its columns c thread_n ..
-            lanes = np.arange(t.threads).reshape(-1, 32)
-            r, c = lanes // t.cols_t, lanes % t.cols_t
+            r, c = simt_lanes(t.threads, t.cols_t)
             addresses = np.concatenate([((r * t.thread_m + a) * self.words + c * t.thread_n // 32) * ENTRY_BYTES
                                         for a in range(t.thread_m)])
             return sectors(addresses) * 32, unique_bytes(addresses, ENTRY_BYTES)

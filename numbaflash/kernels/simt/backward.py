@@ -263,8 +263,8 @@ def build_dkdv(D, tiles, storage, mods=NONE):
     grad_patch = in_parts(outer_product(TK, VV, TD // VV, COLS_T * VV), BLOCK_Q)  # dV += P^T dO, dK += dS^T Q
     write_row = patch_writer(TD, VV, COLS_T, from_acc)
     load_rows = _rows_statistics(TQ, ACC)
-    tile_count, tile_of, tile_full = query_tiles(mods, BLOCK_K, BLOCK_Q)
-    visit_whole = thread_verdicts(mods, BLOCK_K, TK, tile_full)
+    tile_count, tile_of, _ = query_tiles(mods, BLOCK_K, BLOCK_Q)
+    visit_whole = thread_verdicts(mods, BLOCK_K, TK)
     SPARSE = mods.block_sparse  # a partial visit's verdicts come from the block mask's bits (a row per key)
     modifier = modifiers(mods, ACC)
     prepare, logit2, visible, natural = modifier.prepare, modifier.logit2, modifier.visible, modifier.natural
@@ -374,8 +374,8 @@ def build_dq(D, tiles, storage, mods=NONE):
     grad_patch = in_parts(outer_product(TM, VV, TD // VV, COLS_T * VV), BLOCK_N)  # dQ += dS K over the keys
     write_row = patch_writer(TD, VV, COLS_T, from_acc)
     load_rows = _rows_statistics(TM, ACC)
-    tile_count, tile_start, tile_full = key_tiles(mods, BLOCK_M, BLOCK_N)
-    visit_whole = thread_verdicts(mods, BLOCK_M, TM, tile_full)
+    tile_count, tile_start, _ = key_tiles(mods, BLOCK_M, BLOCK_N)
+    visit_whole = thread_verdicts(mods, BLOCK_M, TM)
     SPARSE = mods.block_sparse  # a partial tile's verdicts come from the block mask's bits, not the mask_mod
     modifier = modifiers(mods, ACC)
     prepare, logit2, visible, natural = modifier.prepare, modifier.logit2, modifier.visible, modifier.natural

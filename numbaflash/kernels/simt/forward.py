@@ -71,7 +71,7 @@ def build(D, tiles, storage, mods=NONE):
     modifier = modifiers(mods, ACC)
     MODIFIED, MASKED, prepare, logit, visible = (modifier.modified, modifier.masked, modifier.prepare, modifier.logit,
                                                  modifier.visible)
-    tile_count, tile_start, tile_full = key_tiles(mods, BLOCK_M, BLOCK_N)
+    tile_count, tile_start, _ = key_tiles(mods, BLOCK_M, BLOCK_N)
     tile_slot, word_of = verdict_slot(mods, BLOCK_M), verdict_word(mods)
     SPARSE = mods.block_sparse  # a partial tile's verdicts come from the block mask's bits, not the mask_mod
     stage_q, _ = stagers(BLOCK_M, D, THREADS, ZERO, to_acc)
@@ -132,11 +132,9 @@ def build(D, tiles, storage, mods=NONE):
 
         for it in range(ntiles):
             n_start = tile_start(mod, b, h, row_start, n_base, it)
-            if SPARSE:  # the tile's slot in the block mask's bits, -1 where the mask_mod shows it whole
-                slot = tile_slot(mod, b, h, row_start, it)
-                masked = slot >= 0
-            else:  # mask_mod not known true on all of it
-                slot, masked = -1, MASKED and not tile_full(mod, b, h, row_start, it)
+            # the tile's slot in the block mask's bits, -1 where it shows the tile whole (and without a block mask)
+            slot = tile_slot(mod, b, h, row_start, it)
+            masked = slot >= 0 if SPARSE else MASKED  # mask_mod not known true on all of it
             # Everyone is done reading the previous K, V and P tiles (and the Q tile is complete).
             cuda.syncthreads()
             stage_k(k_t, LDK, k, b, n_start, hk, ONE, tid, vec)
