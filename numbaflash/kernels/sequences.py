@@ -12,10 +12,10 @@ At its start a block of a kernel built with ``mods.packed`` narrows its operands
 
 so the rest of the kernel reads ``x[b, row, ...]`` with rows and lengths local to that sequence, as in a
 padded batch, and masks, ALiBi and the user's functions see local indices: the call equals one call per
-sequence. The narrowing is written in each kernel, which narrows only what it reads and where (v5's forward
-narrows out and lse after its loop: views live through it kept 60-120 bytes of local memory). A device function
-returning the views compiles too (numba-cuda 0.30), but it changed the packed kernels' SASS, which no GPU has
-checked yet. ``PACKED`` is a compile-time constant, so other kernels compile without it.
+sequence. The forwards that narrow every operand at once take their views from `forward_operands` (a device
+function may return views: numba-cuda 0.30 compiles it); the others narrow only what they read and where (v5's
+forward narrows out and lse after its loop: views live through it kept 60-120 bytes of local memory). ``PACKED``
+is a compile-time constant, so other kernels compile without it.
 The grid of a varlen call covers its longest sequence: a block whose first row (or key) lies past its
 own sequence's length returns at once.
 
@@ -82,3 +82,22 @@ def sequences(mods):
             return 0, 0, 0, 0
 
     return sequence
+
+
+def forward_operands(mods):
+    """``operands(mod, z, q, k, v, out, lse)``: a forward's operands, narrowed to packed sequence ``z`` with
+    ``mods.packed`` (q and out on their rows, lse on its last axis, k and v on their keys), else as they are."""
+    sequence = sequences(mods)
+
+    if mods.packed:
+        @device_function
+        def operands(mod, z, q, k, v, out, lse):
+            q_start, q_end, k_start, k_end = sequence(mod, z)
+            return (q[:, q_start:q_end], k[:, k_start:k_end], v[:, k_start:k_end], out[:, q_start:q_end],
+                    lse[:, :, q_start:q_end])
+    else:
+        @device_function
+        def operands(mod, z, q, k, v, out, lse):
+            return q, k, v, out, lse
+
+    return operands

@@ -34,7 +34,7 @@ from ..blocks import query_block, write_hidden_rows
 from ..intrinsics import group_max, group_sum
 from ..fragments import fill
 from ..key_tiles import key_tiles, shown, verdict_slot, verdict_word
-from ..sequences import sequences
+from ..sequences import forward_operands
 from ..mods import kernel_type, modifiers
 from .tiles import in_parts, outer_product, patch_writer, stagers, vector_width
 
@@ -57,7 +57,7 @@ def build(D, tiles, storage, mods=NONE):
 
     Every size is a compile-time constant of the returned function; `kernels.compiled` compiles it.
     """
-    sequence = sequences(mods)
+    operands = forward_operands(mods)
     PACKED = mods.packed
     ACC, to_acc, from_acc = elements.codec(storage)
     acc_bytes = np.dtype(str(ACC)).itemsize
@@ -89,11 +89,8 @@ def build(D, tiles, storage, mods=NONE):
     def attention_forward(q, k, v, out, lse, scale_log2, left, right, vec, mod):
         # q, out: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim)
         # lse: (batch, nheads, seqlen_q)
-        if PACKED:  # a varlen call: the block narrows its operands to its own sequence (`kernels.sequences`)
-            q_start, q_end, k_start, k_end = sequence(mod, cuda.blockIdx.z)
-            q, out = q[:, q_start:q_end], out[:, q_start:q_end]
-            lse = lse[:, :, q_start:q_end]
-            k, v = k[:, k_start:k_end], v[:, k_start:k_end]
+        # a varlen call's block narrows its operands to its own sequence (`kernels.sequences`)
+        q, k, v, out, lse = operands(mod, cuda.blockIdx.z, q, k, v, out, lse)
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
         if PACKED and row_start < 0:  # past its sequence's query blocks: the grid covers the longest

@@ -21,7 +21,7 @@ from ..intrinsics import (cp_async_commit, device_function, cp_async_wait_all, f
                          wgmma_fence, wgmma_wait0, wgmma_wait1)
 from ..fragments import fragment_writer
 from ..key_tiles import key_tiles, verdict_slot
-from ..sequences import sequences
+from ..sequences import forward_operands
 from ..mods import kernel_type, modifiers
 from ..softmax import steps
 from .tiles import ALIGN, advance, aligned_base, descriptors, pack_p, products, stager
@@ -40,7 +40,7 @@ def smem_bytes(D, tiles):
 
 def build(D, tiles, storage, mods=NONE):
     """The kernel for padded head dim ``D`` (64 or 128), `WgmmaTiles` and float16/bfloat16, and its signature."""
-    sequence = sequences(mods)
+    operands = forward_operands(mods)
     PACKED = mods.packed
     BLOCK_M, BLOCK_N, WARPGROUPS = tiles.block_m, tiles.block_n, tiles.warpgroups
     THREADS = 128 * WARPGROUPS
@@ -90,11 +90,8 @@ def build(D, tiles, storage, mods=NONE):
     def attention_forward_wgmma(q, k, v, out, lse, scale_log2, left, right, vec, mod):
         # q, out: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v: (batch, seqlen_k, nheads_kv, headdim)
         # lse: (batch, nheads, seqlen_q)
-        if PACKED:  # a varlen call: the block narrows its operands to its own sequence (`kernels.sequences`)
-            q_start, q_end, k_start, k_end = sequence(mod, cuda.blockIdx.z)
-            q, out = q[:, q_start:q_end], out[:, q_start:q_end]
-            lse = lse[:, :, q_start:q_end]
-            k, v = k[:, k_start:k_end], v[:, k_start:k_end]
+        # a varlen call's block narrows its operands to its own sequence (`kernels.sequences`)
+        q, k, v, out, lse = operands(mod, cuda.blockIdx.z, q, k, v, out, lse)
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
         if PACKED and row_start < 0:  # past its sequence's query blocks: the grid covers the longest
