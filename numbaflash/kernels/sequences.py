@@ -12,8 +12,9 @@ At its start a block of a kernel built with ``mods.packed`` narrows its operands
 
 so the rest of the kernel reads ``x[b, row, ...]`` with rows and lengths local to that sequence, as in a
 padded batch, and masks, ALiBi and the user's functions see local indices: the call equals one call per
-sequence. The forwards that narrow every operand at once take their views from `forward_operands` (a device
-function may return views: numba-cuda 0.30 compiles it); the others narrow only what they read and where (v5's
+sequence. The kernels that narrow every operand at once take their views from `forward_operands`, `dq_operands`
+or `dkdv_operands` (a device function may return views: numba-cuda 0.30 compiles it); v5 narrows only what it
+reads and where (v5's
 forward narrows out and lse after its loop: views live through it kept 60-120 bytes of local memory). ``PACKED``
 is a compile-time constant, so other kernels compile without it.
 The grid of a varlen call covers its longest sequence: a block whose first row (or key) lies past its
@@ -101,3 +102,42 @@ def forward_operands(mods):
             return q, k, v, out, lse
 
     return operands
+
+
+def dq_operands(mods):
+    """``operands(mod, z, q, k, v, dout, lse, delta, dq)``: a dQ pass's operands, narrowed as `forward_operands`
+    narrows a forward's (dout and dq on their rows like q, delta like lse)."""
+    sequence = sequences(mods)
+
+    if mods.packed:
+        @device_function
+        def operands(mod, z, q, k, v, dout, lse, delta, dq):
+            q_start, q_end, k_start, k_end = sequence(mod, z)
+            return (q[:, q_start:q_end], k[:, k_start:k_end], v[:, k_start:k_end], dout[:, q_start:q_end],
+                    lse[:, :, q_start:q_end], delta[:, :, q_start:q_end], dq[:, q_start:q_end])
+    else:
+        @device_function
+        def operands(mod, z, q, k, v, dout, lse, delta, dq):
+            return q, k, v, dout, lse, delta, dq
+
+    return operands
+
+
+def dkdv_operands(mods):
+    """``operands(mod, z, q, k, v, dout, lse, delta, dk, dv)``: a dK/dV pass's operands, narrowed as `dq_operands`
+    narrows a dQ pass's (dk and dv on their keys like k)."""
+    sequence = sequences(mods)
+
+    if mods.packed:
+        @device_function
+        def operands(mod, z, q, k, v, dout, lse, delta, dk, dv):
+            q_start, q_end, k_start, k_end = sequence(mod, z)
+            return (q[:, q_start:q_end], k[:, k_start:k_end], v[:, k_start:k_end], dout[:, q_start:q_end],
+                    lse[:, :, q_start:q_end], delta[:, :, q_start:q_end], dk[:, k_start:k_end], dv[:, k_start:k_end])
+    else:
+        @device_function
+        def operands(mod, z, q, k, v, dout, lse, delta, dk, dv):
+            return q, k, v, dout, lse, delta, dk, dv
+
+    return operands
+

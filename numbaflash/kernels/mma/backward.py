@@ -33,7 +33,7 @@ from .forward import PAIRED_STORES
 from ..key_tiles import key_tiles, verdict_slot
 from ..mods import modifiers
 from ..query_tiles import query_tiles
-from ..sequences import sequences
+from ..sequences import dkdv_operands, dq_operands
 from .tiles import lane_offsets, products, row_stride, stager
 
 MAX_HEADDIM = 128  # dK and dV fragments: 2 x D / 2 float32 registers per thread
@@ -75,7 +75,7 @@ def smem_elements_dq(D, tiles):
 
 
 def build_dkdv(D, tiles, storage, mods=NONE):
-    sequence = sequences(mods)
+    operands = dkdv_operands(mods)
     PACKED = mods.packed
     BLOCK_M, BLOCK_N, WARPS, M = tiles.block_m, tiles.block_n, tiles.warps, tiles.m_tiles
     ROWS = 16 * M  # keys per warp, of the block's BLOCK_M; BLOCK_N queries per streamed tile
@@ -98,11 +98,8 @@ def build_dkdv(D, tiles, storage, mods=NONE):
     def attention_backward_dkdv_mma(q, k, v, dout, lse, delta, dk, dv, scale_log2, left, right, vec, mod):
         # q, dout: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v, dk, dv: (batch, seqlen_k, nheads_kv,
         # headdim); lse, delta: (batch, nheads, seqlen_q)
-        if PACKED:  # a varlen call: the block narrows its operands to its own sequence (`kernels.sequences`)
-            q_start, q_end, k_start, k_end = sequence(mod, cuda.blockIdx.z)
-            q, dout = q[:, q_start:q_end], dout[:, q_start:q_end]
-            lse, delta = lse[:, :, q_start:q_end], delta[:, :, q_start:q_end]
-            k, v, dk, dv = k[:, k_start:k_end], v[:, k_start:k_end], dk[:, k_start:k_end], dv[:, k_start:k_end]
+        # a varlen call's block narrows its operands to its own sequence (`kernels.sequences`)
+        q, k, v, dout, lse, delta, dk, dv = operands(mod, cuda.blockIdx.z, q, k, v, dout, lse, delta, dk, dv)
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         group = q.shape[2] // k.shape[2]
         b, hk, key_start, q_lo, q_hi = key_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
@@ -185,7 +182,7 @@ def build_dkdv(D, tiles, storage, mods=NONE):
 
 
 def build_dq(D, tiles, storage, mods=NONE):
-    sequence = sequences(mods)
+    operands = dq_operands(mods)
     PACKED = mods.packed
     BLOCK_M, BLOCK_N, WARPS, M = tiles.block_m, tiles.block_n, tiles.warps, tiles.m_tiles
     ROWS = 16 * M  # query rows per warp, of the block's BLOCK_M; BLOCK_N keys per streamed tile
@@ -206,11 +203,8 @@ def build_dq(D, tiles, storage, mods=NONE):
     def attention_backward_dq_mma(q, k, v, dout, lse, delta, dq, scale_log2, left, right, vec, mod):
         # q, dout, dq: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v: (batch, seqlen_k, nheads_kv,
         # headdim); lse, delta: (batch, nheads, seqlen_q)
-        if PACKED:  # a varlen call: the block narrows its operands to its own sequence (`kernels.sequences`)
-            q_start, q_end, k_start, k_end = sequence(mod, cuda.blockIdx.z)
-            q, dout, dq = q[:, q_start:q_end], dout[:, q_start:q_end], dq[:, q_start:q_end]
-            lse, delta = lse[:, :, q_start:q_end], delta[:, :, q_start:q_end]
-            k, v = k[:, k_start:k_end], v[:, k_start:k_end]
+        # a varlen call's block narrows its operands to its own sequence (`kernels.sequences`)
+        q, k, v, dout, lse, delta, dq = operands(mod, cuda.blockIdx.z, q, k, v, dout, lse, delta, dq)
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
         if PACKED and row_start < 0:  # past its sequence's query blocks: the grid covers the longest

@@ -37,7 +37,7 @@ from ..fragments import fill
 from ..key_tiles import key_tiles, shown, thread_verdicts
 from ..mods import kernel_type, modifiers
 from ..query_tiles import query_tiles
-from ..sequences import sequences, stats_start, stats_tile_rows
+from ..sequences import dkdv_operands, dq_operands, sequences, stats_start, stats_tile_rows
 from .tiles import in_parts, outer_product, patch_writer, stagers, vector_width
 
 PREPROCESS_ROWS = 8  # query rows per block of the preprocess kernel: one warp each
@@ -247,7 +247,7 @@ def build_dq_postprocess(D, tiles, storage, mods=NONE):
 
 
 def build_dkdv(D, tiles, storage, mods=NONE):
-    sequence = sequences(mods)
+    operands = dkdv_operands(mods)
     PACKED = mods.packed
     ACC, to_acc, from_acc = elements.codec(storage)
     acc_bytes = np.dtype(str(ACC)).itemsize
@@ -272,11 +272,8 @@ def build_dkdv(D, tiles, storage, mods=NONE):
     def attention_backward_dkdv(q, k, v, dout, lse, delta, dk, dv, scale_log2, left, right, vec, mod):
         # q, dout: (batch, seqlen_q, nheads, headdim); k, v, dk, dv: (batch, seqlen_k, nheads_kv, headdim)
         # lse, delta: (batch, nheads, seqlen_q)
-        if PACKED:  # a varlen call: the block narrows its operands to its own sequence (`kernels.sequences`)
-            q_start, q_end, k_start, k_end = sequence(mod, cuda.blockIdx.z)
-            q, dout = q[:, q_start:q_end], dout[:, q_start:q_end]
-            lse, delta = lse[:, :, q_start:q_end], delta[:, :, q_start:q_end]
-            k, v, dk, dv = k[:, k_start:k_end], v[:, k_start:k_end], dk[:, k_start:k_end], dv[:, k_start:k_end]
+        # a varlen call's block narrows its operands to its own sequence (`kernels.sequences`)
+        q, k, v, dout, lse, delta, dk, dv = operands(mod, cuda.blockIdx.z, q, k, v, dout, lse, delta, dk, dv)
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         group = q.shape[2] // k.shape[2]
         b, hk, key_start, q_lo, q_hi = key_block(cuda.blockIdx, q, k, BLOCK_K, left, right)
@@ -358,7 +355,7 @@ def build_dkdv(D, tiles, storage, mods=NONE):
 
 
 def build_dq(D, tiles, storage, mods=NONE):
-    sequence = sequences(mods)
+    operands = dq_operands(mods)
     PACKED = mods.packed
     ACC, to_acc, from_acc = elements.codec(storage)
     acc_bytes = np.dtype(str(ACC)).itemsize
@@ -382,11 +379,8 @@ def build_dq(D, tiles, storage, mods=NONE):
 
     def attention_backward_dq(q, k, v, dout, lse, delta, dq, scale_log2, left, right, vec, mod):
         # q, dout, dq: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim)
-        if PACKED:  # a varlen call: the block narrows its operands to its own sequence (`kernels.sequences`)
-            q_start, q_end, k_start, k_end = sequence(mod, cuda.blockIdx.z)
-            q, dout, dq = q[:, q_start:q_end], dout[:, q_start:q_end], dq[:, q_start:q_end]
-            lse, delta = lse[:, :, q_start:q_end], delta[:, :, q_start:q_end]
-            k, v = k[:, k_start:k_end], v[:, k_start:k_end]
+        # a varlen call's block narrows its operands to its own sequence (`kernels.sequences`)
+        q, k, v, dout, lse, delta, dq = operands(mod, cuda.blockIdx.z, q, k, v, dout, lse, delta, dq)
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
         if PACKED and row_start < 0:  # past its sequence's query blocks: the grid covers the longest
