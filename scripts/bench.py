@@ -59,7 +59,13 @@ def time_ms(fn, warmup=2, repeats=7, warm_ms=100.0):
         done += 1
     per_call = (time.perf_counter() - start) * 1e3 / done
     repeats = max(repeats, min(50, int(20 / per_call)))  # about 20 ms of timed calls, up to 50 of them
-    calls = STREAM_CALLS if TIMING == "stream" else 1
+    return events_ms(fn, STREAM_CALLS if TIMING == "stream" else 1, repeats)
+
+
+def events_ms(fn, calls, repeats):
+    """Median over ``repeats`` timings of milliseconds per call, each timing ``calls`` calls issued back to back
+    between two CUDA events."""
+    torch = _torch()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

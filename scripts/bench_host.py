@@ -21,12 +21,11 @@ numbers of one run.
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import NHEADS, TOKENS, sdpa, sdpa_call, sdpa_only, time_ms  # noqa: E402
+from bench import NHEADS, TOKENS, events_ms, sdpa, sdpa_call, sdpa_only, time_ms  # noqa: E402
 
 
 def host_us(fn, calls=3000):
@@ -51,16 +50,7 @@ def back_to_back_ms(fn, calls=20, repeats=5):
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
+    return events_ms(fn, calls, repeats)
 
 
 def main():
