@@ -14,9 +14,8 @@ so the rest of the kernel reads ``x[b, row, ...]`` with rows and lengths local t
 padded batch, and masks, ALiBi and the user's functions see local indices: the call equals one call per
 sequence. The kernels that narrow every operand at once take their views from `forward_operands`, `dq_operands`
 or `dkdv_operands` (a device function may return views: numba-cuda 0.30 compiles it); v5 narrows only what it
-reads and where (v5's
-forward narrows out and lse after its loop: views live through it kept 60-120 bytes of local memory). ``PACKED``
-is a compile-time constant, so other kernels compile without it.
+reads and where (its forward narrows out and lse after its loop: views live through it kept 60-120 bytes of local
+memory). ``PACKED`` is a compile-time constant, so other kernels compile without it.
 The grid of a varlen call covers its longest sequence: a block whose first row (or key) lies past its
 own sequence's length returns at once.
 
@@ -140,4 +139,3 @@ def dkdv_operands(mods):
             return q, k, v, dout, lse, delta, dk, dv
 
     return operands
-
