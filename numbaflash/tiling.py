@@ -119,7 +119,8 @@ class WgmmaTiles:
     as bulk tensor copies (kernel v5); with ``pingpong``, the consumer warpgroups take turns to issue
     their products, so one's softmax runs under another's (FlashAttention-3's schedule); ``exp2_fma`` of each
     row's ``block_n / 8`` 8-key chunks take the softmax's exponentials from a polynomial on the FMA pipe instead
-    of the special-function unit's ex2 (`kernels.softmax.fma_chunk`); ``blocks_per_sm`` blocks share a
+    of the special-function unit's ex2 (`kernels.softmax.fma_chunk`; two at a time as float16 pairs where
+    ``row_sums`` leaves float16 P no float32 use, `wgmma.tiles.pack_p`); ``blocks_per_sm`` blocks share a
     multiprocessor (2: each gets half its registers and shared memory, so one block's start and end run under
     the other's tiles; `wgmma.pipeline.register_moves`); with ``alibi_columns`` (v5) a call with ALiBi alone
     (`numbaflash.mods.Mods.alibi_alone`) takes each one-sided tile's column term from one more wgmma k-step
@@ -289,6 +290,15 @@ WGMMA_USER_FUNCTION_TILES = {64: WgmmaTiles(128, 128, 2, producer=True, tma=True
 # (2026-11-26, .bench/cap_ab.py, non-causal then causal, means): 1.38x and 1.37x with none, 1.38x and 1.34x with 2,
 # 1.39x and 1.37x with 3, 1.40x and 1.38x with 4: 2 (it was 4).
 WGMMA_SOFTCAP_TILES = {64: dataclasses.replace(WGMMA_TILES[64], exp2_fma=2)}
+# With the tensor cores' row sums (`ROW_SUMS_HEADDIMS`) a float16 P is needed only as the 16-bit words P V takes, so
+# the FMA pipe's chunks take their exponentials two at a time as float16 pairs (`ex2_fma_f16x2`: 11 instructions a
+# pair, 4 of them HFMA2, against `ex2_fma`'s 9 a score and the pair's conversion), and more chunks pay. H100,
+# 2026-11-27, fp16, N = 16384, 16 heads, no LSE, softcap's forward over the plain one's (.bench/pairs_sweep.py, min of
+# 2-3 rounds per run): float32 polynomials in 2 chunks 1.396, 1.377, 1.395x (causal 1.372, 1.369, 1.422x); float16
+# pairs in 5 chunks 1.352, 1.347x (causal 1.353, 1.353x), in 2, 4, 6, 7 and 8 1.37, 1.37, 1.35-1.41, 1.36-1.39 and
+# 1.39x.
+# The plain forward with 4 chunks of pairs ran 1.06x its own time.
+WGMMA_SOFTCAP_PAIR_CHUNKS = {64: 5}
 # ALiBi alone at headdim 64 takes a one-sided tile's column term from one more wgmma k-step (`wgmma.alibi_columns`):
 # its per-score FFMA and per-tile column products and conversions had made its forward 1.09-1.12x the plain one's
 # (1.13-1.18x causal), 1.08-1.11x (1.07-1.10x) with it and `key_tiles.tile_order`'s order (H100 and H200, fp16,
@@ -758,8 +768,7 @@ def _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, s
         elif tiles.blocks_per_sm > 1:
             copies = f"; {SHARED_BLOCKS_REASON}"
         elif tiles.exp2_fma:
-            copies = (f"; softcap's tanh and the softmax's ex2 bound the special-function unit: {tiles.exp2_fma} of "
-                      f"{tiles.block_n // 8} 8-key chunks take ex2 from a polynomial on the FMA pipe")
+            copies = "; softcap's tanh and the softmax's ex2 bound the special-function unit"
         elif tiles.alibi_columns:
             copies = ("; ALiBi alone: one more wgmma k-step adds the bias's column term to each key tile on one side "
                       "of a warpgroup's diagonal, whose scores then take no instruction of their own")
@@ -774,7 +783,13 @@ def _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, s
             copies = f"; {cp_async}: v3 copies with cp.async"
         elif not lse and (softcap_alone or alibi_alone and not packed) and D in ROW_SUMS_HEADDIMS and tiles.tma:
             tiles = dataclasses.replace(tiles, row_sums=True)
+            if tiles.exp2_fma and shape["dtype"] == "float16":
+                tiles = dataclasses.replace(tiles, exp2_fma=WGMMA_SOFTCAP_PAIR_CHUNKS[D])
             copies += f"; {ROW_SUMS_REASON}"
+        if tiles.exp2_fma:
+            pairs = " as float16 pairs" if tiles.row_sums and shape["dtype"] == "float16" else ""
+            copies += (f"; {tiles.exp2_fma} of {tiles.block_n // 8} 8-key chunks take ex2 from a polynomial on the FMA "
+                       f"pipe{pairs}")
         if softcap_alone and fixed_maximum(shape["dtype"], softcap) and tiles.tma:
             tiles = dataclasses.replace(tiles, bounded_max=True)
             copies += f"; {BOUNDED_MAX_REASON}"

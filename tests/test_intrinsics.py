@@ -6,7 +6,8 @@ import pytest
 from numba import cuda, float32, int32, uint16, uint64
 
 from numbaflash.kernels.intrinsics import (SIMULATOR, bulk_load, cp_async_16, cp_async_commit, cp_async_mbarrier_arrive,
-                                           cp_async_wait_all, device_function, ex2, ex2_fma, group_max, group_sum, ldmatrix_x4,
+                                           cp_async_wait_all, device_function, ex2, ex2_fma, ex2_fma_f16x2, group_max,
+                                           group_sum, ldmatrix_x4,
                                            ldmatrix_x4_trans, load4, mbarrier_arrive, mbarrier_arrive_expect_tx,
                                            mbarrier_init, mbarrier_try_wait,
                                            mma_bf16, mma_f16, named_barrier_arrive, named_barrier_sync,
@@ -164,6 +165,47 @@ def test_ex2_fma_is_2_to_the_x_within_its_bound_and_0_below_minus_127(arrays, mo
     if mode == "gpu":  # the emulation the simulator runs is the hardware's arithmetic (ties aside: 1 ulp)
         emulated_y = np.array([emulated.ex2_fma(v) for v in x], np.float32)
         np.testing.assert_array_max_ulp(y[~np.isnan(x)], emulated_y[~np.isnan(x)], maxulp=1)
+
+
+@cuda.jit
+def ex2_fma_f16x2_kernel(x, y):
+    i = cuda.grid(1)
+    if 2 * i + 1 < x.shape[0]:
+        y[i] = ex2_fma_f16x2(x[2 * i], x[2 * i + 1])
+
+
+def test_ex2_fma_f16x2_is_2_to_the_x_rounded_to_float16_within_its_bound(arrays, mode):
+    """float16 P two at a time on the FMA pipe (`wgmma.tiles.pack_p`): the first argument's 2^x in the low half, the
+    second's in the high; each x rounded to float16 first, then relative error at most 2^-10.7 on [-14, 8]
+    (`intrinsics.polynomials`: the cubic and its float16 steps), float16's subnormals down to 2^-21.5 within 2^-24,
+    integers exact, -22 and below (a hidden score's -inf) exactly 0, NaN stays NaN. On a GPU the hardware also
+    matches the emulation bit for bit (NaN aside)."""
+    from numbaflash.kernels.intrinsics import emulated
+
+    to_device, to_host = arrays
+    rng = np.random.default_rng(3)
+    integers = np.arange(-14, 9)
+    x = np.concatenate([-rng.exponential(4.0, 2000), rng.uniform(0, 8, 200), -rng.uniform(14, 21.4, 100), integers,
+                        [-1e-30, 0.0, -22, -22.5, -23, -300, -1e30, -np.inf, np.nan]]).astype(np.float32)
+    y = to_device(np.zeros(x.size // 2, np.uint32))
+    ex2_fma_f16x2_kernel[(x.size // 2 + 127) // 128, 128](to_device(x), y)
+    words = to_host(y)
+    p = words.view(np.uint16).view(np.float16).astype(np.float64)  # little-endian: each word's low half first
+    exact = np.exp2(x.astype(np.float16).astype(np.float64))
+    normal = (x >= -14) & (x <= 8)
+    error = np.abs(p[normal] / exact[normal] - 1)
+    assert error.max() <= 2.0 ** -10.7, f"max relative error {error.max():.3g}, mean {error.mean():.3g}"
+    subnormal = (x < -14) & (x > -21.5)
+    assert np.abs(p[subnormal] - exact[subnormal]).max() <= 2.0 ** -24
+    at = x.size - 9 - integers.size
+    np.testing.assert_array_equal(p[at:at + integers.size], np.exp2(integers))
+    assert (p[-7:-1] == 0).all() and np.isnan(p[-1])
+    if mode == "gpu":
+        emulated_words = np.array([emulated.ex2_fma_f16x2(x[2 * i], x[2 * i + 1]) for i in range(x.size // 2)],
+                                  np.uint32)
+        emulated_p = emulated_words.view(np.uint16).view(np.float16)
+        np.testing.assert_array_equal(words.view(np.uint16)[~np.isnan(p)], emulated_p.view(np.uint16)[~np.isnan(p)])
+        assert np.isnan(emulated_p[np.isnan(p)]).all()  # NaN's bits are the hardware's own
 
 
 @cuda.jit

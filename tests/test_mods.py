@@ -901,6 +901,12 @@ def test_row_sums_are_planned_where_the_lse_is_not_asked_for(arrays):
         assert summed.launches[0].smem_bytes == plan(
             lse=True, softcap_alone=summed.tiles.exp2_fma > 0,
             alibi_alone=summed.tiles.alibi_columns).launches[0].smem_bytes + ones
+    # float16 softcap's FMA-pipe exponentials then come as float16 pairs, more of them
+    paired = plan(softcap_alone=True)
+    assert paired.tiles.exp2_fma == tiling.WGMMA_SOFTCAP_PAIR_CHUNKS[64]
+    assert "FMA pipe as float16 pairs" in paired.reason
+    assert plan(softcap_alone=True, lse=True).tiles.exp2_fma == tiling.WGMMA_SOFTCAP_TILES[64].exp2_fma
+    assert "float16 pairs" not in plan(softcap_alone=True, lse=True).reason
     for other in (plan(), plan(softcap_alone=True, lse=True), plan(alibi_alone=True, lse=True),
                   plan(headdim=128, softcap_alone=True), plan(headdim=128, alibi_alone=True),
                   plan(backward=True, softcap_alone=True)):

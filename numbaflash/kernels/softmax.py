@@ -34,7 +34,9 @@ whole arrays), after ``start(acc, m_i, l_i)``, which sets a block's output to 0,
   ``RESCALE_LOG2``, is every row's maximum, `tiling.fixed_maximum`) no maximum is formed. Scores stay raw:
   ``softmax_scale * log2(e)`` is folded into the exponent's FMA, and the exponential is the hardware's ex2 (in
   ``fma_chunks`` of each row's 8-key chunks a polynomial on the FMA pipe, `ex2_fma`, where the special-function
-  unit is what bounds the kernel: softcap's tanh at headdim 64, `tiling.WGMMA_SOFTCAP_TILES`). A scale <= 0
+  unit is what bounds the kernel: softcap's tanh at headdim 64, `tiling.WGMMA_SOFTCAP_TILES`; with the tensor
+  cores' row sums and float16 P those chunks keep their exponents, and P's packing takes their exponentials two at
+  a time as float16 pairs, ``fma_pairs``). A scale <= 0
   (flash-attn takes any) first turns the visible raw scores: a negative one makes the largest scaled score the
   smallest raw one, so they are negated and the step works with the scale's magnitude (``m_i`` holds maxima of
   ``-s``); zero makes them all 0, with scale 1 (`effective_scale`). A uniform branch: a positive scale pays one
@@ -85,7 +87,8 @@ def fma_chunk(j, NT, fma_chunks):
     return (j + 1) * fma_chunks // NT > j * fma_chunks // NT
 
 
-def steps(M, NT, DT, mods=NONE, fma_chunks=0, alibi_columns=False, row_sums=False, bounded_max=False):
+def steps(M, NT, DT, mods=NONE, fma_chunks=0, alibi_columns=False, row_sums=False, bounded_max=False,
+          fma_pairs=False):
     """``(start, mask, online_softmax, rescale_o, finish, write_lse)`` for ``M`` m-tiles of ``8 NT`` keys and ``8 DT``
     output columns, with the modifications ``mods`` (`numbaflash.mods.Mods`); ``fma_chunks`` of each row's ``NT``
     8-key chunks take their exponentials from `ex2_fma` on the FMA pipe, the rest from ex2. ``alibi_columns``: the
@@ -94,10 +97,14 @@ def steps(M, NT, DT, mods=NONE, fma_chunks=0, alibi_columns=False, row_sums=Fals
     ``row_sums`` (one m-tile): the kernel's tensor cores sum each row's P into 8 more output columns, the
     accumulators' row block ``DT`` (`wgmma.row_sums`), which the steps scale with O and take l from.
     ``bounded_max`` (softcap alone; other modifications ignore it): softcap's bound, less ``RESCALE_LOG2``, is every
-    row's maximum (`tiling.fixed_maximum` says where that holds)."""
+    row's maximum (`tiling.fixed_maximum` says where that holds). ``fma_pairs`` (with ``row_sums``, float16 P):
+    ``online_softmax`` leaves the ``fma_chunks``' scores as their base-2 exponents, whose exponentials P's packing
+    takes two at a time as float16 pairs (`ex2_fma_f16x2`, `wgmma.tiles.pack_p`)."""
     M_ROWS = 2 * M
     if row_sums and M != 1:
         raise ValueError(f"row sums from the tensor cores are a warpgroup's, one m-tile a warp; got {M} m-tiles")
+    if fma_pairs and not row_sums:
+        raise ValueError("float16 pairs of exponentials (fma_pairs) leave no float32 P to sum: they need row_sums")
     SUMS = int(row_sums)  # accumulator row blocks after O's
     modifier = modifiers(mods, types.float32, fast=True)
     MODIFIED, MASKED, logit, visible = modifier.modified, modifier.masked, modifier.logit, modifier.visible
@@ -280,6 +287,9 @@ def steps(M, NT, DT, mods=NONE, fma_chunks=0, alibi_columns=False, row_sums=Fals
             for j in range(mi * NT, mi * NT + NT):
                 for e in range(2):
                     x = s[j, 2 * half + e] * scale_log2 - (odd_base if e == 1 else even_base)
+                    if fma_pairs and fma_chunk(j - mi * NT, NT, fma_chunks):
+                        s[j, 2 * half + e] = x  # its exponential comes with P's word (`wgmma.tiles.pack_p`)
+                        continue
                     p = ex2_fma(x) if fma_chunk(j - mi * NT, NT, fma_chunks) else ex2(x)
                     s[j, 2 * half + e] = p
                     if not SUMS:

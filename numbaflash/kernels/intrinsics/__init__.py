@@ -35,7 +35,9 @@ Tensor cores (compute capability >= 8.0; register fragments as in the PTX ISA, l
   ``tanh_approx(x)``: ``tanh.approx.f32``, tanh x (one special-function instruction, relative error about
   2^-11; the emulation rounds the exact value); ``ex2_fma(x)``: 2^x from a cubic on the FMA pipe and the
   exponent bits (`polynomials`), relative error at most 2^-13.4 on [-126, 8], 0 at -127 and below, NaN for
-  NaN: the softmax's exponentials without the special-function unit.
+  NaN: the softmax's exponentials without the special-function unit. ``ex2_fma_f16x2(lo, hi)``: 2^lo and 2^hi
+  as one f16x2 word (lo in the low half), each exponent rounded to float16 first, then a cubic in HFMA2 steps:
+  relative error at most 2^-10.7 on [-14, 8], float16's subnormals below, 0 at -22 and below, NaN for NaN.
 * ``named_barrier_sync(barrier, threads)``, ``named_barrier_arrive(barrier, threads)``: ``bar.sync`` /
   ``bar.arrive`` on hardware barrier ``barrier`` (1 to 15; syncthreads has 0), which ``threads`` arrivals
   (a multiple of 32) complete; ``sync`` waits for that, ``arrive`` does not.

@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 
 from .exchange import exchange, group_result
-from .polynomials import EX2_FMA_COEFFICIENTS
+from .polynomials import EX2_FMA_COEFFICIENTS, EX2_FMA_F16X2_COEFFICIENTS
 
 _registry_lock = threading.Lock()
 
@@ -156,6 +156,26 @@ def ex2_fma(x):
     p = np.float32(np.float64(p) * f + 1.0)
     power = np.uint32(((int(floor) + 127) << 23) & 0xFFFFFFFF).view(np.float32)
     return np.float32(p * power)
+
+def _ex2_fma_half(x):
+    # one half of ptx.ex2_fma_f16x2, step by step: float64 holds each float16 sum and fused product exactly, so
+    # rounding it to float16 rounds like the f16x2 instruction
+    half = lambda v: np.float64(np.float16(v))
+    x = half(np.float32(x))
+    if np.isnan(x):
+        return np.float16(np.nan)
+    x = max(x, -22.0)
+    t = half(x + 1558.0)
+    f = half(x - half(t - 1558.0))
+    c0, c1, c2, c3 = (half(c) for c in EX2_FMA_F16X2_COEFFICIENTS)
+    p = half(f * c3 + c2)
+    p = half(p * f + c1)
+    p = half(p * f + c0)
+    power = np.uint16((int(np.float16(t).view(np.uint16)) << 10) & 0x7C00).view(np.float16)
+    return np.float16(p * np.float64(power))
+
+def ex2_fma_f16x2(lo, hi):
+    return np.uint32(int(_ex2_fma_half(hi).view(np.uint16)) << 16 | int(_ex2_fma_half(lo).view(np.uint16)))
 
 def rcp(x):
     with np.errstate(divide="ignore"):

@@ -10,7 +10,7 @@ from numba import cuda, types
 from numba.cuda import cgutils
 from numba.cuda.extending import intrinsic
 
-from .polynomials import EX2_FMA_COEFFICIENTS
+from .polynomials import EX2_FMA_COEFFICIENTS, EX2_FMA_F16X2_COEFFICIENTS
 from .target import device_function
 
 @device_function
@@ -234,6 +234,44 @@ ex2_fma = _unary_f32(
     "shl.b32 tb, tb, 23;\n"  # the exponent field 127 + floor(x): 2^floor(x), 0 for -127
     "mov.b32 e, tb;\n"
     "mul.f32 $0, p, e; }")
+
+def _f16x2_hex(value):
+    half = int(np.float16(value).view(np.uint16))
+    return "0x%08X" % (half << 16 | half)
+
+
+_H0, _H1, _H2, _H3 = (_f16x2_hex(c) for c in EX2_FMA_F16X2_COEFFICIENTS)
+
+
+@intrinsic
+def ex2_fma_f16x2(typingctx, lo, hi):
+    sig = types.uint32(types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        lo_v, hi_v = (context.cast(builder, v, t, types.float32) for v, t in zip(args, signature.args))
+        return _asm(builder, [ir.FloatType(), ir.FloatType()], ir.IntType(32),
+                    "{ .reg .b32 x, t, j, f, p, e, c;\n"
+                    "cvt.rn.f16x2.f32 x, $1, $2;\n"  # hi in the upper half
+                    f"mov.b32 c, {_f16x2_hex(-22)};\n"
+                    "max.NaN.f16x2 x, x, c;\n"  # at least -22 (2^-22 becomes 0 below); NaN stays NaN
+                    f"mov.b32 c, {_f16x2_hex(1558)};\n"  # 1.5 x 2^10 + 22: 22 + round(x) in the low mantissa bits
+                    "add.rn.f16x2 t, x, c;\n"
+                    "sub.rn.f16x2 j, t, c;\n"
+                    "sub.rn.f16x2 f, x, j;\n"  # in [-1/2, 1/2]
+                    f"mov.b32 c, {_H3};\n"
+                    f"mov.b32 p, {_H2};\n"
+                    "fma.rn.f16x2 p, f, c, p;\n"
+                    f"mov.b32 c, {_H1};\n"
+                    "fma.rn.f16x2 p, p, f, c;\n"
+                    f"mov.b32 c, {_H0};\n"
+                    "fma.rn.f16x2 p, p, f, c;\n"  # 2^-7 2^f
+                    "shl.b32 e, t, 10;\n"  # each half's exponent field 22 + round(x): 2^(round(x) + 7), 0 at -22
+                    "and.b32 e, e, 0x7C007C00;\n"
+                    "mul.rn.f16x2 $0, p, e; }",
+                    "=r,f,f", [hi_v, lo_v], False)
+
+    return sig, codegen
+
 
 @intrinsic
 def float_bits(typingctx, x):

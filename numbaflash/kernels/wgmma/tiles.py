@@ -19,7 +19,9 @@ staged alike, straight from global memory with cp.async, without a transpose and
 
 import numpy as np
 
-from ..intrinsics import cp_async_16, device_function, pack_bf16, pack_f16, shared_address, wgmma_rs, wgmma_ss
+from ..intrinsics import (cp_async_16, device_function, ex2_fma_f16x2, pack_bf16, pack_f16, shared_address, wgmma_rs,
+                          wgmma_ss)
+from ..softmax import fma_chunk
 
 ATOM = 64  # elements per row of a swizzle atom (128 bytes)
 ATOM_ROWS = 8  # rows per swizzle period (1024 bytes)
@@ -133,17 +135,25 @@ def products(N, D, A_ROWS, B_ROWS, storage, fresh=False, onto=False):
     return scores, accumulate
 
 
-def pack_p(N, storage):
+def pack_p(N, storage, fma_pairs=0):
     """``pack(p, s)``: the (N / 8, 4) float32 fragments ``s`` rounded to 16 bits as P's (N / 16, 4) A words
-    (the accumulators of two 8-column chunks are exactly the A fragment of one 16-key k-step)."""
+    (the accumulators of two 8-column chunks are exactly the A fragment of one 16-key k-step); the ``fma_pairs``
+    chunks (`kernels.softmax.fma_chunk`) hold base-2 exponents, whose exponentials come as float16 pairs from the
+    FMA pipe (`ex2_fma_f16x2`)."""
     pack = pack_f16 if storage == "float16" else pack_bf16
+
+    @device_function
+    def word(s, j, half):
+        if fma_chunk(j, N // 8, fma_pairs):
+            return ex2_fma_f16x2(s[j, 2 * half], s[j, 2 * half + 1])
+        return pack(s[j, 2 * half], s[j, 2 * half + 1])
 
     @device_function
     def pack_words(p, s):
         for ks in range(N // 16):
-            p[ks, 0] = pack(s[2 * ks, 0], s[2 * ks, 1])
-            p[ks, 1] = pack(s[2 * ks, 2], s[2 * ks, 3])
-            p[ks, 2] = pack(s[2 * ks + 1, 0], s[2 * ks + 1, 1])
-            p[ks, 3] = pack(s[2 * ks + 1, 2], s[2 * ks + 1, 3])
+            p[ks, 0] = word(s, 2 * ks, 0)
+            p[ks, 1] = word(s, 2 * ks, 1)
+            p[ks, 2] = word(s, 2 * ks + 1, 0)
+            p[ks, 3] = word(s, 2 * ks + 1, 1)
 
     return pack_words

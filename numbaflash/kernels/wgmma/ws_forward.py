@@ -32,7 +32,8 @@ turns pair up.
 
 With ALiBi alone and ``tiles.alibi_columns`` each tile's S starts from ALiBi's column term, one more bfloat16
 k-step whose operands the block writes into shared memory once (`alibi_columns`). With ``tiles.row_sums`` the
-tensor cores sum each row's P beside P V, into 8 more columns of O's accumulators (`row_sums`).
+tensor cores sum each row's P beside P V, into 8 more columns of O's accumulators (`row_sums`), and with float16
+storage the ``exp2_fma`` chunks take their exponentials as float16 pairs when P is packed (`tiles.pack_p`).
 
 Packed (varlen) sequences run v5 (not v4): the tensor maps span the packed operands, a block's copies start at
 its sequence's rows (`sequences.sequence_starts`), and the last V tile of a sequence that ends inside it has
@@ -113,7 +114,9 @@ def build(D, tiles, storage, mods=NONE):
     stage_q, stage_kv = stager(D, BLOCK_M, PRODUCER), stager(D, BLOCK_N, PRODUCER)
     COLUMNS = tiles.alibi_columns and mods.alibi_alone  # ALiBi's column term from the tensor cores
     scores, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage, onto=COLUMNS)
-    pack = pack_p(BLOCK_N, storage)
+    # the tensor cores' row sums leave float32 P unused: float16's exponentials on the FMA pipe come in pairs
+    PAIRS = tiles.row_sums and storage == "float16" and tiles.exp2_fma > 0
+    pack = pack_p(BLOCK_N, storage, tiles.exp2_fma if PAIRS else 0)
     modifier = modifiers(mods, types.float32, fast=True)
     prepare, slope_of = modifier.prepare, modifier.slope
     fill_columns, add_columns = alibi_columns.column_bias(BLOCK_N)
@@ -121,7 +124,7 @@ def build(D, tiles, storage, mods=NONE):
     ACC_ROWS = DT + int(SUMS)  # O's accumulator blocks, then the sums'
     fill_ones, ones_descriptor, add_sums = row_sums.row_sums(D, BLOCK_N, storage)
     start, mask, online_softmax, rescale_o, finish, write_lse = steps(1, NT, DT, mods, tiles.exp2_fma, COLUMNS,
-                                                                      SUMS, tiles.bounded_max)
+                                                                      SUMS, tiles.bounded_max, PAIRS)
     tile_count, tile_start, tile_full = key_tiles(mods, BLOCK_M, BLOCK_N)
     tile_slot = verdict_slot(mods, BLOCK_M)
     order = tile_order(mods, BLOCK_M, BLOCK_N)
