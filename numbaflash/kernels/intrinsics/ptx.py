@@ -180,23 +180,24 @@ cp_async_commit = _barrier_asm("cp.async.commit_group;")
 cp_async_wait_all = _barrier_asm("cp.async.wait_group 0;")
 cp_async_wait_one = _barrier_asm("cp.async.wait_group 1;")
 
-def _pack(kind):
+def _pair_f32(template):
+    """An intrinsic ``(lo, hi)`` -> uint32 of two float32 through ``template``, which takes hi as $1 and lo as $2."""
     @intrinsic
-    def pack(typingctx, lo, hi):
+    def pair(typingctx, lo, hi):
         sig = types.uint32(types.float32, types.float32)
 
         def codegen(context, builder, signature, args):
             lo_v, hi_v = (context.cast(builder, v, t, types.float32) for v, t in zip(args, signature.args))
-            # cvt.rn.{f16,bf16}x2.f32 d, a, b puts a in the upper half and b in the lower.
-            return _asm(builder, [ir.FloatType(), ir.FloatType()], ir.IntType(32),
-                        f"cvt.rn.{kind}x2.f32 $0, $1, $2;", "=r,f,f", [hi_v, lo_v], False)
+            return _asm(builder, [ir.FloatType(), ir.FloatType()], ir.IntType(32), template, "=r,f,f", [hi_v, lo_v],
+                        False)
 
         return sig, codegen
 
-    return pack
+    return pair
 
-pack_f16 = _pack("f16")
-pack_bf16 = _pack("bf16")
+# cvt.rn.{f16,bf16}x2.f32 d, a, b puts a in the upper half and b in the lower.
+pack_f16 = _pair_f32("cvt.rn.f16x2.f32 $0, $1, $2;")
+pack_bf16 = _pair_f32("cvt.rn.bf16x2.f32 $0, $1, $2;")
 
 def _unary_f32(template):
     @intrinsic
@@ -243,34 +244,25 @@ def _f16x2_hex(value):
 _H0, _H1, _H2, _H3 = (_f16x2_hex(c) for c in EX2_FMA_F16X2_COEFFICIENTS)
 
 
-@intrinsic
-def ex2_fma_f16x2(typingctx, lo, hi):
-    sig = types.uint32(types.float32, types.float32)
-
-    def codegen(context, builder, signature, args):
-        lo_v, hi_v = (context.cast(builder, v, t, types.float32) for v, t in zip(args, signature.args))
-        return _asm(builder, [ir.FloatType(), ir.FloatType()], ir.IntType(32),
-                    "{ .reg .b32 x, t, j, f, p, e, c;\n"
-                    "cvt.rn.f16x2.f32 x, $1, $2;\n"  # hi in the upper half
-                    f"mov.b32 c, {_f16x2_hex(-22)};\n"
-                    "max.NaN.f16x2 x, x, c;\n"  # at least -22 (2^-22 becomes 0 below); NaN stays NaN
-                    f"mov.b32 c, {_f16x2_hex(1558)};\n"  # 1.5 x 2^10 + 22: 22 + round(x) in the low mantissa bits
-                    "add.rn.f16x2 t, x, c;\n"
-                    "sub.rn.f16x2 j, t, c;\n"
-                    "sub.rn.f16x2 f, x, j;\n"  # in [-1/2, 1/2]
-                    f"mov.b32 c, {_H3};\n"
-                    f"mov.b32 p, {_H2};\n"
-                    "fma.rn.f16x2 p, f, c, p;\n"
-                    f"mov.b32 c, {_H1};\n"
-                    "fma.rn.f16x2 p, p, f, c;\n"
-                    f"mov.b32 c, {_H0};\n"
-                    "fma.rn.f16x2 p, p, f, c;\n"  # 2^-7 2^f
-                    "shl.b32 e, t, 10;\n"  # each half's exponent field 22 + round(x): 2^(round(x) + 7), 0 at -22
-                    "and.b32 e, e, 0x7C007C00;\n"
-                    "mul.rn.f16x2 $0, p, e; }",
-                    "=r,f,f", [hi_v, lo_v], False)
-
-    return sig, codegen
+ex2_fma_f16x2 = _pair_f32(
+    "{ .reg .b32 x, t, j, f, p, e, c;\n"
+    "cvt.rn.f16x2.f32 x, $1, $2;\n"  # hi in the upper half
+    f"mov.b32 c, {_f16x2_hex(-22)};\n"
+    "max.NaN.f16x2 x, x, c;\n"  # at least -22 (2^-22 becomes 0 below); NaN stays NaN
+    f"mov.b32 c, {_f16x2_hex(1558)};\n"  # 1.5 x 2^10 + 22: 22 + round(x) in the low mantissa bits
+    "add.rn.f16x2 t, x, c;\n"
+    "sub.rn.f16x2 j, t, c;\n"
+    "sub.rn.f16x2 f, x, j;\n"  # in [-1/2, 1/2]
+    f"mov.b32 c, {_H3};\n"
+    f"mov.b32 p, {_H2};\n"
+    "fma.rn.f16x2 p, f, c, p;\n"
+    f"mov.b32 c, {_H1};\n"
+    "fma.rn.f16x2 p, p, f, c;\n"
+    f"mov.b32 c, {_H0};\n"
+    "fma.rn.f16x2 p, p, f, c;\n"  # 2^-7 2^f
+    "shl.b32 e, t, 10;\n"  # each half's exponent field 22 + round(x): 2^(round(x) + 7), 0 at -22
+    "and.b32 e, e, 0x7C007C00;\n"
+    "mul.rn.f16x2 $0, p, e; }")
 
 
 @intrinsic
