@@ -169,6 +169,11 @@ class WgmmaTiles:
     def threads(self):
         return 128 * (self.warpgroups + self.producer)
 
+    def exp2_pairs(self, dtype):
+        """Whether the ``exp2_fma`` chunks take their exponentials two at a time as float16 pairs: where the tensor
+        cores sum P's rows (``row_sums``), a float16 P has no float32 use (`wgmma.tiles.pack_p`)."""
+        return self.exp2_fma > 0 and self.row_sums and dtype == "float16"
+
     @property
     def entry_registers(self):
         """Registers a thread starts with under launch bounds of ``blocks_per_sm`` blocks per multiprocessor (of
@@ -296,8 +301,7 @@ WGMMA_SOFTCAP_TILES = {64: dataclasses.replace(WGMMA_TILES[64], exp2_fma=2)}
 # 2026-11-27, fp16, N = 16384, 16 heads, no LSE, softcap's forward over the plain one's (.bench/pairs_sweep.py, min of
 # 2-3 rounds per run): float32 polynomials in 2 chunks 1.396, 1.377, 1.395x (causal 1.372, 1.369, 1.422x); float16
 # pairs in 5 chunks 1.352, 1.347x (causal 1.353, 1.353x), in 2, 4, 6, 7 and 8 1.37, 1.37, 1.35-1.41, 1.36-1.39 and
-# 1.39x.
-# The plain forward with 4 chunks of pairs ran 1.06x its own time.
+# 1.39x. The plain forward with 4 chunks of pairs ran 1.06x its own time.
 WGMMA_SOFTCAP_PAIR_CHUNKS = {64: 5}
 # ALiBi alone at headdim 64 takes a one-sided tile's column term from one more wgmma k-step (`wgmma.alibi_columns`):
 # its per-score FFMA and per-tile column products and conversions had made its forward 1.09-1.12x the plain one's
@@ -787,7 +791,7 @@ def _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, s
                 tiles = dataclasses.replace(tiles, exp2_fma=WGMMA_SOFTCAP_PAIR_CHUNKS[D])
             copies += f"; {ROW_SUMS_REASON}"
         if tiles.exp2_fma:
-            pairs = " as float16 pairs" if tiles.row_sums and shape["dtype"] == "float16" else ""
+            pairs = " as float16 pairs" if tiles.exp2_pairs(shape["dtype"]) else ""
             copies += (f"; {tiles.exp2_fma} of {tiles.block_n // 8} 8-key chunks take ex2 from a polynomial on the FMA "
                        f"pipe{pairs}")
         if softcap_alone and fixed_maximum(shape["dtype"], softcap) and tiles.tma:

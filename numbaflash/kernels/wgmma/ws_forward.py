@@ -114,8 +114,7 @@ def build(D, tiles, storage, mods=NONE):
     stage_q, stage_kv = stager(D, BLOCK_M, PRODUCER), stager(D, BLOCK_N, PRODUCER)
     COLUMNS = tiles.alibi_columns and mods.alibi_alone  # ALiBi's column term from the tensor cores
     scores, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage, onto=COLUMNS)
-    # the tensor cores' row sums leave float32 P unused: float16's exponentials on the FMA pipe come in pairs
-    PAIRS = tiles.row_sums and storage == "float16" and tiles.exp2_fma > 0
+    PAIRS = tiles.exp2_pairs(storage)
     pack = pack_p(BLOCK_N, storage, tiles.exp2_fma if PAIRS else 0)
     modifier = modifiers(mods, types.float32, fast=True)
     prepare, slope_of = modifier.prepare, modifier.slope
