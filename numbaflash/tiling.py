@@ -787,7 +787,7 @@ def _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, s
             copies = f"; {cp_async}: v3 copies with cp.async"
         elif not lse and (softcap_alone or alibi_alone and not packed) and D in ROW_SUMS_HEADDIMS and tiles.tma:
             tiles = dataclasses.replace(tiles, row_sums=True)
-            if tiles.exp2_fma and shape["dtype"] == "float16":
+            if tiles.exp2_pairs(shape["dtype"]):
                 tiles = dataclasses.replace(tiles, exp2_fma=WGMMA_SOFTCAP_PAIR_CHUNKS[D])
             copies += f"; {ROW_SUMS_REASON}"
         if tiles.exp2_fma:

@@ -285,12 +285,13 @@ def steps(M, NT, DT, mods=NONE, fma_chunks=0, alibi_columns=False, row_sums=Fals
             even_base, odd_base = bases(shift, m_i, r, scale_log2)
             row_sum = ZERO
             for j in range(mi * NT, mi * NT + NT):
+                on_fma = fma_chunk(j - mi * NT, NT, fma_chunks)
                 for e in range(2):
                     x = s[j, 2 * half + e] * scale_log2 - (odd_base if e == 1 else even_base)
-                    if fma_pairs and fma_chunk(j - mi * NT, NT, fma_chunks):
+                    if fma_pairs and on_fma:
                         s[j, 2 * half + e] = x  # its exponential comes with P's word (`wgmma.tiles.pack_p`)
                         continue
-                    p = ex2_fma(x) if fma_chunk(j - mi * NT, NT, fma_chunks) else ex2(x)
+                    p = ex2_fma(x) if on_fma else ex2(x)
                     s[j, 2 * half + e] = p
                     if not SUMS:
                         row_sum += p

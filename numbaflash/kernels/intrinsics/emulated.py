@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 
 from .exchange import exchange, group_result
-from .polynomials import EX2_FMA_COEFFICIENTS, EX2_FMA_F16X2_COEFFICIENTS
+from .polynomials import EX2_FMA_COEFFICIENTS, EX2_FMA_F16X2_COEFFICIENTS, EX2_FMA_F16X2_FLOOR, EX2_FMA_F16X2_MAGIC
 
 _registry_lock = threading.Lock()
 
@@ -157,21 +157,28 @@ def ex2_fma(x):
     power = np.uint32(((int(floor) + 127) << 23) & 0xFFFFFFFF).view(np.float32)
     return np.float32(p * power)
 
+def _half(v):
+    """``v`` rounded to float16, held in float64 (which holds each float16 sum and fused product exactly, so rounding
+    it to float16 rounds like an f16x2 instruction)."""
+    return np.float64(np.float16(v))
+
+
+_F16X2_COEFFICIENTS = tuple(_half(c) for c in EX2_FMA_F16X2_COEFFICIENTS)
+
+
 def _ex2_fma_half(x):
-    # one half of ptx.ex2_fma_f16x2, step by step: float64 holds each float16 sum and fused product exactly, so
-    # rounding it to float16 rounds like the f16x2 instruction
-    half = lambda v: np.float64(np.float16(v))
+    # one half of ptx.ex2_fma_f16x2, step by step
     with np.errstate(over="ignore"):  # beyond float16's range: infinite, as cvt.rn.f16x2.f32 gives
-        x = half(np.float32(x))
+        x = _half(np.float32(x))
     if np.isnan(x):
         return np.float16(np.nan)
-    x = max(x, -22.0)
-    t = half(x + 1558.0)
-    f = half(x - half(t - 1558.0))
-    c0, c1, c2, c3 = (half(c) for c in EX2_FMA_F16X2_COEFFICIENTS)
-    p = half(f * c3 + c2)
-    p = half(p * f + c1)
-    p = half(p * f + c0)
+    x = max(x, float(EX2_FMA_F16X2_FLOOR))
+    t = _half(x + EX2_FMA_F16X2_MAGIC)
+    f = _half(x - _half(t - EX2_FMA_F16X2_MAGIC))
+    c0, c1, c2, c3 = _F16X2_COEFFICIENTS
+    p = _half(f * c3 + c2)
+    p = _half(p * f + c1)
+    p = _half(p * f + c0)
     power = np.uint16((int(np.float16(t).view(np.uint16)) << 10) & 0x7C00).view(np.float16)
     return np.float16(p * np.float64(power))
 

@@ -14,3 +14,8 @@ EX2_FMA_COEFFICIENTS = (0.6951168179512024, 0.22764484584331512, 0.0770671814680
 # rounded float32 P does. The relative error, every float16 rounding included, is at most 2^-10.8 on every
 # float16 f in [-1/2, 1/2] (mean 2^-12.6), against float16's own rounding of P, 2^-11.
 EX2_FMA_F16X2_COEFFICIENTS = (0.0078125, 0.0054168701171875, 0.0018949508666992188, 0.000431060791015625)
+# Its exponents are clamped at EX2_FMA_F16X2_FLOOR, whose power is 0 (the exponent field 0), and split by adding
+# EX2_FMA_F16X2_MAGIC, 1.5 x 2^10 - EX2_FMA_F16X2_FLOOR: the sum's low mantissa bits hold round(x) - FLOOR, the
+# exponent field of 2^(round(x) + 7).
+EX2_FMA_F16X2_FLOOR = -22
+EX2_FMA_F16X2_MAGIC = 1536 - EX2_FMA_F16X2_FLOOR

@@ -10,7 +10,7 @@ from numba import cuda, types
 from numba.cuda import cgutils
 from numba.cuda.extending import intrinsic
 
-from .polynomials import EX2_FMA_COEFFICIENTS, EX2_FMA_F16X2_COEFFICIENTS
+from .polynomials import EX2_FMA_COEFFICIENTS, EX2_FMA_F16X2_COEFFICIENTS, EX2_FMA_F16X2_FLOOR, EX2_FMA_F16X2_MAGIC
 from .target import device_function
 
 @device_function
@@ -247,9 +247,9 @@ _H0, _H1, _H2, _H3 = (_f16x2_hex(c) for c in EX2_FMA_F16X2_COEFFICIENTS)
 ex2_fma_f16x2 = _pair_f32(
     "{ .reg .b32 x, t, j, f, p, e, c;\n"
     "cvt.rn.f16x2.f32 x, $1, $2;\n"  # hi in the upper half
-    f"mov.b32 c, {_f16x2_hex(-22)};\n"
+    f"mov.b32 c, {_f16x2_hex(EX2_FMA_F16X2_FLOOR)};\n"
     "max.NaN.f16x2 x, x, c;\n"  # at least -22 (2^-22 becomes 0 below); NaN stays NaN
-    f"mov.b32 c, {_f16x2_hex(1558)};\n"  # 1.5 x 2^10 + 22: 22 + round(x) in the low mantissa bits
+    f"mov.b32 c, {_f16x2_hex(EX2_FMA_F16X2_MAGIC)};\n"  # 1.5 x 2^10 + 22: 22 + round(x) in the low mantissa bits
     "add.rn.f16x2 t, x, c;\n"
     "sub.rn.f16x2 j, t, c;\n"
     "sub.rn.f16x2 f, x, j;\n"  # in [-1/2, 1/2]
