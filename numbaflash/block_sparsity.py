@@ -46,6 +46,7 @@ class BlockMask:
         self._fine = None
         self._classes = {}
         self._visited = {}
+        self._unmasked = {}
         self._tables = {}
         self._scores = {}  # (left, right) -> visible scores per (batch or 1, nheads or 1)
 
@@ -127,19 +128,35 @@ class BlockMask:
         where the call's causal/window mask shows it inside the sequences (0 elsewhere)."""
         key = (block_m, block_n, left, right, like.kind, like.device)
         if key not in self._tables:
-            classes, visited = self.classify(block_m, block_n), self.visited(block_m, block_n, left, right)
-            ktiles = classes.shape[3]
+            whole, visited = self.unmasked(block_m, block_n, left, right), self.visited(block_m, block_n, left, right)
+            ktiles = whole.shape[3]
             # One spare entry past the last tile: kernels read the next tile's start before they test the count.
-            table = np.zeros(classes.shape[:3] + (2 * (ktiles + 1),), np.int32)
+            table = np.zeros(whole.shape[:3] + (2 * (ktiles + 1),), np.int32)
             partial = []  # (b, h, query tile, key tile) of each slot, in slot order
-            for b, h, qt in np.ndindex(*classes.shape[:3]):
+            for b, h, qt in np.ndindex(*whole.shape[:3]):
                 tiles = np.flatnonzero(visited[b, h, qt])
-                full = classes[b, h, qt, tiles] == FULL
+                full = whole[b, h, qt, tiles]
                 _schedule_row(table[b, h, qt], tiles, full, len(partial))
                 partial += [(b, h, qt, tile) for tile in tiles[~full]]
             bits = self._partial_bits(np.array(partial, np.int64).reshape(-1, 4), block_m, block_n, left, right)
             self._tables[key] = (_arrays.from_host(like, table), _arrays.from_host(like, bits))
         return self._tables[key]
+
+    def unmasked(self, block_m, block_n, left, right):
+        """bool ``(batch or 1, nheads or 1, query tiles, key tiles)``: the FULL tiles (`classify`) that the causal/window
+        mask ``(left, right)`` and the sequences' ends also leave whole (`masks.tile_is_full` of the tile's rows inside
+        seqlen_q), cached. The schedules' full bit (`key_tiles`, `query_tiles`): the kernels test nothing on such a
+        tile, neither the mask_mod nor the causal/window mask; a tile full to the mask_mod alone takes a slot, whose
+        bits hold both."""
+        key = (block_m, block_n, left, right)
+        if key not in self._unmasked:
+            classes = self.classify(block_m, block_n)
+            starts = np.arange(classes.shape[3]) * block_n
+            whole = np.array([[masks.tile_is_full(qt * block_m, min(qt * block_m + block_m, self.seqlen_q), int(c),
+                                                  int(c) + block_n, self.seqlen_q, self.seqlen_k, left, right)
+                               for c in starts] for qt in range(classes.shape[2])], bool).reshape(classes.shape[2:])
+            self._unmasked[key] = (classes == FULL) & whole
+        return self._unmasked[key]
 
     def _partial_bits(self, tiles, block_m, block_n, left, right):
         """int32 ``(len(tiles) or 1, block_m, cdiv(block_n, 32))``: the mask_mod's verdicts on each of ``tiles``
@@ -162,8 +179,8 @@ class BlockMask:
         the sequences (0 elsewhere). Arrays of the kind and device of `_arrays.Operand` ``like``, cached."""
         key = ("query", block_m, block_n, left, right, group, like.kind, like.device)
         if key not in self._tables:
-            classes, visited = self.classify(block_n, block_m), self.visited(block_n, block_m, left, right)
-            batch, heads, per_head, key_blocks = classes.shape
+            whole, visited = self.unmasked(block_n, block_m, left, right), self.visited(block_n, block_m, left, right)
+            batch, heads, per_head, key_blocks = whole.shape
             kv_heads = heads // group if heads > 1 else 1  # a mask of any head: every group's the same
             visits = group * per_head
             table = np.zeros((batch, kv_heads, key_blocks, 2 * (visits + 1)), np.int32)
@@ -173,7 +190,7 @@ class BlockMask:
                 for j in range(group):
                     h = hk * group + j if heads > 1 else 0
                     tiles = np.flatnonzero(visited[b, h, :, kt])
-                    full = classes[b, h, tiles, kt] == FULL
+                    full = whole[b, h, tiles, kt]
                     pairs.append(j * per_head + tiles)
                     fulls.append(full)
                     partial += [(b, h, tile, kt) for tile in tiles[~full]]

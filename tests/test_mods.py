@@ -557,14 +557,47 @@ def test_a_block_mask_gives_the_dense_mask_mod_result(arrays, mode):
             family, np.abs(dense.astype(np.float64) - sparse).max())
 
 
+def shown_everywhere(b, h, q_idx, kv_idx, doc):
+    return True
+
+
+def same_document_only(b, h, q_idx, kv_idx, doc):
+    return doc[0, q_idx] == doc[0, kv_idx]
+
+
+@pytest.mark.parametrize("window", [dict(causal=True), dict(window_size=(9, 3))])
+def test_a_block_mask_under_a_causal_or_window_mask_gives_the_dense_result(window, arrays, mode):
+    """Two documents without causality under the call's causal or window mask: tiles full to the mask_mod that the
+    window crosses are masked (their bits hold the window, `BlockMask.key_tiles`), so every forward family gives
+    the dense mask_mod call's result bit for bit, as in `test_a_block_mask_gives_the_dense_mask_mod_result`."""
+    to_device, to_host = arrays
+    # the first document longer than a 64-row block: such blocks have tiles full to the mask_mod on the simulator too
+    seqlen, first = (80, 66) if mode == "simulator" else (2048, 1027)
+    doc = np.repeat(np.arange(2), [first, seqlen - first]).astype(np.int32)[None]
+    bm = numbaflash.block_mask(same_document_only, None, None, seqlen, seqlen, mod_args=(doc,))
+    assert (bm.classify(64, 16) == block_sparsity.FULL).any()
+    for family, (dtype, tiles) in dict(FAMILIES, **{SHARED: ("float16", shared_tiles(mode))}).items():
+        case = Case(1, seqlen, seqlen, 1, 1, 16, dtype, seed=9)
+        q, k, v = (to_device(x) for x in inputs(case))
+        forward = forward_of(case, tiles)
+        dense = to_host(forward(q, k, v, mask_mod=same_document_only, mod_args=(to_device(doc),), **window))
+        sparse = to_host(forward(q, k, v, block_mask=bm, mod_args=(to_device(doc),), **window))
+        assert np.array_equal(dense.view(np.uint8), sparse.view(np.uint8)), (
+            family, np.abs(dense.astype(np.float64) - sparse).max())
+
+
+@pytest.mark.parametrize("shown", ["same document, causal", "everywhere"])
 @pytest.mark.parametrize("left,right", [(-1, -1), (-1, 0), (5, 2)])
-def test_the_bits_of_partial_tiles_are_the_mask_where_the_window_shows_it(left, right):
-    """`BlockMask.key_tiles`: every partial tile a query tile visits has a slot, and its bits are mask_mod's
-    verdicts on the scores the causal/window mask shows (0 elsewhere, where mask_mod is never asked); a full
-    tile has slot -1. 24 keys per tile: a row's verdicts end inside its word."""
+def test_the_bits_of_partial_tiles_are_the_mask_where_the_window_shows_it(left, right, shown):
+    """`BlockMask.key_tiles` and `query_tiles`: every partial tile a block visits has a slot, and its bits are
+    mask_mod's verdicts on the scores the causal/window mask shows (0 elsewhere, where mask_mod is never asked); a
+    full tile, one whose every score mask_mod and the causal/window mask show inside the sequences, has slot -1 (a
+    tile full to mask_mod alone that the window crosses takes a slot: the tensor-core kernels mask nothing on a
+    full tile). 24 keys per tile: a row's verdicts end inside its word."""
     seqlen_q, seqlen_k, rows, cols = 45, 50, 16, 24
     doc = np.repeat(np.arange(3), [7, 30, 13])[None].astype(np.int32)
-    bm = numbaflash.block_mask(same_document_causal, None, None, seqlen_q, seqlen_k, mod_args=(doc,))
+    mask_mod = shown_everywhere if shown == "everywhere" else same_document_causal
+    bm = numbaflash.block_mask(mask_mod, None, None, seqlen_q, seqlen_k, mod_args=(doc,))
     like = numbaflash._arrays.Operand(doc, "numpy", doc.shape, doc.strides, "int32", -1, 0)
     table, bits = (x.obj for x in bm.key_tiles(rows, cols, left, right, like))
     # The kernels index both as C-contiguous arrays (`kernels.mods.kernel_type`), a dK/dV pass's pair too; the
@@ -572,16 +605,22 @@ def test_the_bits_of_partial_tiles_are_the_mask_where_the_window_shows_it(left, 
     queries = [x.obj for x in bm.query_tiles(cols, rows, left, right, 1, like)]
     assert all(x.flags.c_contiguous for x in [table, bits] + queries)
     want = reference.visible_mask(seqlen_q, seqlen_k, causal=False, window_size=(left, right)) & \
-        numbaflash.mods.visible(same_document_causal, (1, 1, seqlen_q, seqlen_k), (doc,))[0, 0]
+        numbaflash.mods.visible(mask_mod, (1, 1, seqlen_q, seqlen_k), (doc,))[0, 0]
     partial = bm.classify(rows, cols)[0, 0] == block_sparsity.PARTIAL
 
     def tile(qt, kt):
         return want[qt * rows:(qt + 1) * rows, kt * cols:(kt + 1) * cols]
 
-    assert_bits_match(table, bits, lambda qt, kt: (partial[qt, kt], tile(qt, kt)))
+    def whole(qt, kt):
+        return tile(qt, kt).shape == (rows, cols) and tile(qt, kt).all()
+
+    if shown == "everywhere" and (left, right) != (-1, -1):  # tiles full to mask_mod that the window crosses
+        assert any(not partial[qt, kt] and tile(qt, kt).any() and not whole(qt, kt) for qt, kt in np.ndindex(
+            partial.shape))
+    assert_bits_match(table, bits, lambda qt, kt: (not whole(qt, kt), tile(qt, kt)))
     # The dK/dV pass's: blocks of `cols` keys streaming tiles of `rows` query rows, the same verdicts transposed
     # (a row of bits per key, a bit per query row).
-    assert_bits_match(*queries, lambda kt, qt: (partial[qt, kt], tile(qt, kt).T))
+    assert_bits_match(*queries, lambda kt, qt: (not whole(qt, kt), tile(qt, kt).T))
 
 
 def assert_bits_match(table, bits, expected):
@@ -656,6 +695,42 @@ def test_a_block_masked_backward_skips_empty_tiles_in_both_passes(family, arrays
     options = [dict(block_mask=bm)] + ([dict(mask_mod=same_document_per_head)] if mode == "gpu" else [])
     sparse, *dense = ([to_host(g) for g in numbaflash.attention_backward(
         *args, plan=plan, deterministic=deterministic, mod_args=(to_device(doc),), **kwargs)] for kwargs in options)
+    check_gradients(case, sparse, dout, q, k, v, lse)
+    for grads in dense:
+        for name, s, d in zip(("dq", "dk", "dv"), sparse, grads):
+            if deterministic or name != "dq":
+                assert np.array_equal(d.view(np.uint8), s.view(np.uint8)), (family, name)
+            else:
+                np.testing.assert_allclose(s.astype(np.float32), d.astype(np.float32), rtol=2 ** -7, atol=2 ** -12)
+
+
+@pytest.mark.parametrize("window", [dict(causal=True), dict(window_size=(9, 3))])
+@pytest.mark.parametrize("family", BACKWARD_FAMILIES)
+def test_a_block_masked_backward_under_a_causal_or_window_mask_gives_the_dense_result(family, window, arrays, mode):
+    """Both passes of the backward under the call's causal or window mask, with tiles full to the mask_mod (two
+    documents without causality) that the window crosses: their schedules mark them partial (`BlockMask.unmasked`),
+    so the passes, which test nothing on a full tile, mask them; held to the reference rule, and on a GPU equal to
+    the dense mask_mod call's gradients (`test_a_block_masked_backward_skips_empty_tiles_in_both_passes`)."""
+    to_device, to_host = arrays
+    dtype, tiles, deterministic = BACKWARD_FAMILIES[family]
+    tiles = shared_tiles(mode, backward=True) if family == SHARED else tiles
+    seqlen, first = (80, 66) if mode == "simulator" else (2048, 1027)
+    doc = np.repeat(np.arange(2), [first, seqlen - first]).astype(np.int32)[None]
+    bm = numbaflash.block_mask(same_document_only, None, None, seqlen, seqlen, mod_args=(doc,))
+    case = Case(1, seqlen, seqlen, 1, 1, 16, dtype, seed=9, **window,
+                modifications=dict(mask_mod=same_document_only, mod_args=(doc,)))
+    plan = tiling.make_plan(1, 1, 1, seqlen, seqlen, 16, dtype, backward=True, tiles=tiles, deterministic=deterministic)
+    left, right = masks.normalize_window(window.get("causal", False), window.get("window_size", (-1, -1)))
+    for rows, cols in [(plan.block_m, plan.block_n), (plan.block_n, plan.block_m)]:  # the dQ pass's, the dK/dV's
+        assert ((bm.classify(rows, cols) == block_sparsity.FULL) & ~bm.unmasked(rows, cols, left, right)).any()
+    q, k, v, dout = inputs(case, extra=[(1, seqlen, 1, 16)])
+    out, lse = reference.attention_forward(q, k, v, mask_mod=same_document_only, mod_args=(doc,), **window)
+    lse = lse.astype(np.float32)
+    args = [to_device(x) for x in (dout, q, k, v, out.astype(q.dtype), lse)]
+    options = [dict(block_mask=bm)] + ([dict(mask_mod=same_document_only)] if mode == "gpu" else [])
+    sparse, *dense = ([to_host(g) for g in numbaflash.attention_backward(
+        *args, plan=plan, deterministic=deterministic, mod_args=(to_device(doc),), **window, **kwargs)]
+        for kwargs in options)
     check_gradients(case, sparse, dout, q, k, v, lse)
     for grads in dense:
         for name, s, d in zip(("dq", "dk", "dv"), sparse, grads):

@@ -107,8 +107,9 @@ def transposed_steps(M, NT, mods=NONE, fused=False):
     def probabilities(s, dp, dlogit, stats, lse_at, delta_at, q_start, c0, warp_key, key_start, key_end, g, t, seqlen_q,
                       seqlen_k, left, right, scale_log2, b, h, bh, block_full, mod, slot):
         q_end = q_start + c0 + 8 * NT
-        full = masks.tile_is_full(q_start + c0, min(q_end, seqlen_q), key_start, key_end, seqlen_q, seqlen_k, left,
-                                  right)
+        # a block mask's full tile is whole to the causal/window mask too (`BlockMask.unmasked`): no test
+        full = block_full or masks.tile_is_full(q_start + c0, min(q_end, seqlen_q), key_start, key_end, seqlen_q,
+                                                seqlen_k, left, right)
         if FORM_ALL or untested(full, block_full, q_end, seqlen_q):
             side = alibi_side(warp_key, warp_key + 16 * M, q_start + c0, q_end, seqlen_k - seqlen_q) if ALIBI else 0
             if side != 0:

@@ -210,9 +210,11 @@ def steps(M, NT, DT, mods=NONE, fma_chunks=0, alibi_columns=False, row_sums=Fals
     @device_function
     def mask(s, shift, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale, bh,
              block_full, mod, slot):
-        masked = MASKED and not block_full  # a block mask found mask_mod true on the whole tile: no need to ask
-        if not masked and masks.tile_is_full(row_start, row_end, n_start, n_start + 8 * NT, seqlen_q, seqlen_k, left,
-                                             right):
+        # A block mask's full tile: mask_mod, the causal/window mask and the sequences' ends all show it whole
+        # (`BlockMask.key_tiles`), so neither mask_mod nor the edge test runs on it.
+        masked = MASKED and not block_full
+        if not masked and (block_full or masks.tile_is_full(row_start, row_end, n_start, n_start + 8 * NT, seqlen_q,
+                                                            seqlen_k, left, right)):
             if not USER_SCORES or warp_row + 16 * M <= seqlen_q:  # no user function sees a row past the sequence
                 if MODIFIED:
                     modify(s, shift, b, h, warp_row, row_start, g, t, n_start, seqlen_q, seqlen_k, scale, bh)

@@ -261,8 +261,8 @@ def build_dq(D, tiles, storage, mods=NONE):
                     if c_start < hi and c_start + CHUNK > lo:  # block-uniform: the chunk meets a visible key
                         scores(s, frag, smem, q_at, K_AT + at + c0 * LD + b_off)
                         scores(dp, frag, smem, do_at, V_AT + at + c0 * LD + b_off)
-                        full = masks.tile_is_full(row_start, row_end, c_start, c_start + CHUNK, seqlen_q, seqlen_k,
-                                                  left, right)
+                        full = block_full or masks.tile_is_full(row_start, row_end, c_start, c_start + CHUNK,
+                                                                seqlen_q, seqlen_k, left, right)
                         ds(s, dp, lse2, dsum, lo_r, hi_r, full, warp_row, c_start, g, t, seqlen_q, seqlen_k,
                            scale_log2, b, h, bh, block_full, mod, slot, row_start, c0)
                         accumulate(dq_acc, dp, frag, smem, K_AT + at + c0 * LD + t_off)  # dQ += dS K

@@ -141,7 +141,9 @@ def dq_step(D, tiles, storage, mods=NONE):
         scores(dp, smem, do_desc, advance(v_desc, at))  # dP = dO V^T
         wgmma_commit()
         wgmma_wait0()
-        full = masks.tile_is_full(row_start, row_end, n_start, n_start + BLOCK_N, seqlen_q, seqlen_k, left, right)
+        # a block mask's full tile is whole to the causal/window mask too (`BlockMask.unmasked`): no test
+        full = block_full or masks.tile_is_full(row_start, row_end, n_start, n_start + BLOCK_N, seqlen_q, seqlen_k,
+                                                left, right)
         ds(s, dp, lse2, dsum, lo_r, hi_r, full, warp_row, n_start, g, t, seqlen_q, seqlen_k, scale_log2, b, h, bh,
            block_full, mod, slot, row_start, 0)
         pack(d_s, dp)
