@@ -8,7 +8,8 @@ plain ones (rows are query rows, columns keys). The steps, after the score produ
 * `transposed_steps` -> ``probabilities(s, dp, dlogit, stats, lse_at, delta_at, q_start, c0, warp_key, key_start,
   key_end, ..., block_full, mod, slot)``: S^T of query rows ``q_start + c0 ..`` (columns ``c0 ..`` of a tile of
   rows from ``q_start``) becomes P^T = exp2(logit(S^T) - LSE) in place, 0 where the mask hides the score
-  (``block_full``: a block mask found the mask_mod true on the whole tile, so it is not asked; otherwise, with a
+  (``block_full``: a block mask found the mask_mod and the causal/window mask true on the whole tile
+  (`BlockMask.unmasked`), so neither is tested; otherwise, with a
   block mask, its verdicts come from the tile's transposed bits at ``slot``, and mask_mod is not called), and
   with score modifications ``dlogit`` the modification's derivative; the LSE of tile column ``c`` is
   ``stats[lse_at + c]``.
@@ -18,7 +19,7 @@ plain ones (rows are query rows, columns keys). The steps, after the score produ
   base-2 LSE, D (or both from a staged preprocess's ``stats`` in place of ``delta``) and visible key range
   into registers once; ``ds(s, dp, lse2, dsum, lo_r, hi_r, full, ..., block_full, mod, slot, row_start, c0)``
   turns S and dP of a row tile into dS in ``dp`` (``full``: the causal/window mask shows the whole tile;
-  ``block_full``: so does the mask_mod; otherwise, with a block mask, the rows read its verdicts on the
+  ``block_full``: so does the mask_mod, and ``full`` is then not tested; otherwise, with a block mask, the rows read its verdicts on the
   tile from its bits at ``slot`` (`key_tiles.verdict_slot`), columns from ``c0`` of the tile, as the forward's
   `softmax` mask does, and mask_mod is not called).
 * `stats_stager` -> ``(load, store, per_thread)``: a query tile's LSE and D, loaded to registers early

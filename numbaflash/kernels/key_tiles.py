@@ -7,8 +7,8 @@
 * ``count(mod, b, h, row_start, lo, hi)``: how many tiles the block visits (0: none);
 * ``start(mod, b, h, row_start, n_base, it)``: the first key of the ``it``-th (``n_base``: the first key of
   the first tile without a block mask, ``(lo // BLOCK_N) * BLOCK_N``);
-* ``full(mod, b, h, row_start, it)``: whether the block mask found ``mask_mod`` true on all of it (so the
-  kernel skips mask_mod there); False without a block mask.
+* ``full(mod, b, h, row_start, it)``: whether ``mask_mod`` and the causal/window mask show all of it
+  (`BlockMask.unmasked`: the tensor-core kernels then test no score there); False without a block mask.
 
 `tile_order` gives the order v5's forward visits them in (ALiBi's blocks start beside their diagonal).
 
