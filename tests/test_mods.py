@@ -677,7 +677,6 @@ def test_a_block_masked_backward_skips_empty_tiles_in_both_passes(family, arrays
     document; the dQ pass reads its verdicts on partial ones from the block mask's bits), held to the
     reference rule. On a GPU also: empty tiles add exact zeros, so the gradients equal
     the dense mask_mod call's bit for bit (the atomic dQ, which sums in a varying order, to an ulp)."""
-    to_device, to_host = arrays
     dtype, tiles, deterministic = BACKWARD_FAMILIES[family]
     tiles = shared_tiles(mode, backward=True) if family == SHARED else tiles
     seqlen = 80 if mode == "simulator" else 2048
@@ -688,13 +687,23 @@ def test_a_block_masked_backward_skips_empty_tiles_in_both_passes(family, arrays
                 modifications=dict(mask_mod=same_document_per_head, mod_args=(doc,)))
     plan = tiling.make_plan(1, 2, 1, seqlen, seqlen, 16, dtype, backward=True, tiles=tiles, deterministic=deterministic)
     assert {block_sparsity.EMPTY, block_sparsity.FULL} <= set(np.unique(bm.classify(plan.block_n, plan.block_m)))
-    q, k, v, dout = inputs(case, extra=[(1, seqlen, 2, 16)])
-    out, lse = reference.attention_forward(q, k, v, mask_mod=same_document_per_head, mod_args=(doc,))
+    assert_backward_as_dense(family, case, bm, plan, deterministic, arrays, mode)
+
+
+def assert_backward_as_dense(family, case, bm, plan, deterministic, arrays, mode):
+    """The block-masked backward of ``case`` (its mask_mod and mod_args, ``doc``, and its causal/window mask) held to
+    the reference rule, and on a GPU equal to the dense mask_mod call's gradients: empty tiles add exact zeros (the
+    atomic dQ, which sums in a varying order, to an ulp)."""
+    to_device, to_host = arrays
+    mask_mod, (doc,) = case.modifications["mask_mod"], case.modifications["mod_args"]
+    q, k, v, dout = inputs(case, extra=[(case.batch, case.seqlen_q, case.nheads, case.headdim)])
+    out, lse = reference.attention_forward(q, k, v, mask_mod=mask_mod, mod_args=(doc,), **case.mask)
     lse = lse.astype(np.float32)
     args = [to_device(x) for x in (dout, q, k, v, out.astype(q.dtype), lse)]
-    options = [dict(block_mask=bm)] + ([dict(mask_mod=same_document_per_head)] if mode == "gpu" else [])
+    options = [dict(block_mask=bm)] + ([dict(mask_mod=mask_mod)] if mode == "gpu" else [])
     sparse, *dense = ([to_host(g) for g in numbaflash.attention_backward(
-        *args, plan=plan, deterministic=deterministic, mod_args=(to_device(doc),), **kwargs)] for kwargs in options)
+        *args, plan=plan, deterministic=deterministic, mod_args=(to_device(doc),), **case.mask, **kwargs)]
+        for kwargs in options)
     check_gradients(case, sparse, dout, q, k, v, lse)
     for grads in dense:
         for name, s, d in zip(("dq", "dk", "dv"), sparse, grads):
@@ -711,7 +720,6 @@ def test_a_block_masked_backward_under_a_causal_or_window_mask_gives_the_dense_r
     documents without causality) that the window crosses: their schedules mark them partial (`BlockMask.unmasked`),
     so the passes, which test nothing on a full tile, mask them; held to the reference rule, and on a GPU equal to
     the dense mask_mod call's gradients (`test_a_block_masked_backward_skips_empty_tiles_in_both_passes`)."""
-    to_device, to_host = arrays
     dtype, tiles, deterministic = BACKWARD_FAMILIES[family]
     tiles = shared_tiles(mode, backward=True) if family == SHARED else tiles
     seqlen, first = (80, 66) if mode == "simulator" else (2048, 1027)
@@ -723,21 +731,7 @@ def test_a_block_masked_backward_under_a_causal_or_window_mask_gives_the_dense_r
     left, right = masks.normalize_window(window.get("causal", False), window.get("window_size", (-1, -1)))
     for rows, cols in [(plan.block_m, plan.block_n), (plan.block_n, plan.block_m)]:  # the dQ pass's, the dK/dV's
         assert ((bm.classify(rows, cols) == block_sparsity.FULL) & ~bm.unmasked(rows, cols, left, right)).any()
-    q, k, v, dout = inputs(case, extra=[(1, seqlen, 1, 16)])
-    out, lse = reference.attention_forward(q, k, v, mask_mod=same_document_only, mod_args=(doc,), **window)
-    lse = lse.astype(np.float32)
-    args = [to_device(x) for x in (dout, q, k, v, out.astype(q.dtype), lse)]
-    options = [dict(block_mask=bm)] + ([dict(mask_mod=same_document_only)] if mode == "gpu" else [])
-    sparse, *dense = ([to_host(g) for g in numbaflash.attention_backward(
-        *args, plan=plan, deterministic=deterministic, mod_args=(to_device(doc),), **window, **kwargs)]
-        for kwargs in options)
-    check_gradients(case, sparse, dout, q, k, v, lse)
-    for grads in dense:
-        for name, s, d in zip(("dq", "dk", "dv"), sparse, grads):
-            if deterministic or name != "dq":
-                assert np.array_equal(d.view(np.uint8), s.view(np.uint8)), (family, name)
-            else:
-                np.testing.assert_allclose(s.astype(np.float32), d.astype(np.float32), rtol=2 ** -7, atol=2 ** -12)
+    assert_backward_as_dense(family, case, bm, plan, deterministic, arrays, mode)
 
 
 def documents_with_other_ids(seqlen):
