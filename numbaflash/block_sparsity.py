@@ -120,6 +120,12 @@ class BlockMask:
             self._visited[key] = (classes != EMPTY) & shown
         return self._visited[key]
 
+    def mean_visits(self, block_m, block_n, left, right):
+        """The key tiles of ``block_m`` x ``block_n`` a query block visits (`visited`), on average over the blocks,
+        heads and batch elements, rounded down: the plan's measure of a block's work (`tiling.make_plan`'s
+        ``block_visits``)."""
+        return int(self.visited(block_m, block_n, left, right).sum(axis=-1).mean())
+
     def key_tiles(self, block_m, block_n, left, right, like):
         """The forward's schedule (`kernels.key_tiles`): ``(table, bits)``, arrays of the kind and device of
         `_arrays.Operand` ``like``, cached.

@@ -217,7 +217,17 @@ def _make_plan(call, backward, device, aligned, deterministic, lse):
                             call.dtype, backward=backward, device=device, aligned=aligned, packed=call.mods.packed,
                             user_functions=call.mods.per_score_functions, deterministic=deterministic,
                             softcap_alone=call.mods.softcap_alone, block_sparse=call.mods.block_sparse,
-                            alibi_alone=call.mods.alibi_alone, lse=lse, softcap=call.softcap)
+                            alibi_alone=call.mods.alibi_alone, lse=lse, softcap=call.softcap,
+                            block_visits=_block_visits(call))
+
+
+def _block_visits(call):
+    """The mean key tiles a forward block of `tiling.block_visits_tiles` visits under ``call``'s block mask (None
+    without one, or where no plan asks)."""
+    tiles = tiling.block_visits_tiles(call.headdim)
+    if call.block_mask is None or tiles is None:
+        return None
+    return call.block_mask.mean_visits(*tiles, call.left, call.right)
 
 
 def _check_plan(plan, call, direction, lse=False):

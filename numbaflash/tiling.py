@@ -7,6 +7,7 @@ Computed in one place from the shapes, the dtype and the device, and used by the
 import dataclasses
 import functools
 import math
+import numbers
 from dataclasses import dataclass
 
 from .kernels.intrinsics import SIMULATOR
@@ -353,10 +354,20 @@ WGMMA_CP_ASYNC_TILES = {64: WgmmaTiles(128, 112, 2), 128: WgmmaTiles(128, 64, 2)
 # and their backward (64 x 64) 1.183 against 1.297 ms, while dense causal stayed at 1.36 ms forward (three
 # consumers: 1.35) and 4.30 backward. At headdim 128 the forward's blocks already did as well (5.35x against
 # 5.28x) and the dK/dV pass of one consumer spills 196 bytes at 128 registers (ptxas 13.0).
-# Taken for every block mask: with more tiles per block the dense plan's tiles gained nothing forward (causal as a
-# block mask 1.355 -> 1.375 ms, 4 documents 0.424 -> 0.419) and 3% backward at most (H100, .bench/shared_cross.py).
+# Taken for every block mask backward, and forward where its blocks visit few tiles (`WGMMA_BLOCK_SPARSE_DENSE_VISITS`):
+# before a full tile was tested against nothing, the dense plan's tiles gained nothing forward (causal as a block mask
+# 1.355 -> 1.375 ms, 4 documents 0.424 -> 0.419) and 3% backward at most (H100, .bench/shared_cross.py).
 WGMMA_BLOCK_SPARSE_TILES = {64: WgmmaTiles(64, 128, 1, producer=True, tma=True, blocks_per_sm=2)}
 WGMMA_BLOCK_SPARSE_BACKWARD_TILES = {64: WgmmaTiles(64, 64, 1, producer=True, tma=True, blocks_per_sm=2)}
+# A block mask whose query blocks visit many key tiles pays each block's start and end over many tiles, and the dense
+# plan's tiles (three consumers taking turns) run those tiles faster than the shared blocks' one consumer: the forward
+# at headdim 64 takes them where a block of theirs visits at least this many key tiles on average
+# (`block_visits_tiles`). Once a full tile was tested against nothing (`block_sparsity.BlockMask.unmasked`), on the
+# H100 (fp16, 16 heads, .bench/density.py; the shared blocks' time over the dense plan tiles', a block's mean visits
+# at 192 x 96 in brackets): N = 16384 causal 1.034 (87), 2 documents 1.04 (44.5), 4 1.01 (23), 8 0.96 (12.6), 16
+# 0.97 (7.3); N = 8192 causal 0.97 (44), 2 documents 0.92 (23.5), 4 0.92 (12.5). The causal block mask at 16384 also
+# ran 1.117, 1.093x the built-in causal on the shared blocks against 1.070, 1.054x on these (.bench/visit_ab.py).
+WGMMA_BLOCK_SPARSE_DENSE_VISITS = 64
 SHARED_BLOCKS_REASON = ("a block mask leaves each block few tiles: blocks of one consumer warpgroup, two per "
                         "multiprocessor, so one block's start and end run under the other's tiles")
 SIMULATOR_WGMMA_TILES = WgmmaTiles(64, 16, 1)
@@ -568,9 +579,16 @@ def _choose(direction, acc, D, acc_bytes, device, smem_of, wide=False):
     return dataclasses.replace(fitting[0], float64_scores=wide)
 
 
+def block_visits_tiles(headdim):
+    """``(block_m, block_n)``: the forward tiles at which `make_plan`'s ``block_visits`` counts a block mask's visits
+    for ``headdim``, or None where no plan depends on them (`WGMMA_BLOCK_SPARSE_DENSE_VISITS`)."""
+    D = next((D for D in WGMMA_HEADDIMS if headdim <= D), None)
+    return (WGMMA_TILES[D].block_m, WGMMA_TILES[D].block_n) if D in WGMMA_BLOCK_SPARSE_TILES else None
+
+
 def make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward=False, device=None, tiles=None,
               aligned=True, packed=False, user_functions=False, deterministic=True, softcap_alone=False,
-              block_sparse=False, alibi_alone=False, lse=True, softcap=0.0):
+              block_sparse=False, alibi_alone=False, lse=True, softcap=0.0, block_visits=None):
     """The plan for these sizes on ``device`` (default: the current one). ``tiles`` overrides the blocks.
     ``aligned``: whether q, k and v have a contiguous head dim, a multiple of 8, and 16-byte aligned
     strides, as the bulk tensor copy engine needs (`interface.vector_staging`). ``packed``: a varlen call
@@ -578,22 +596,28 @@ def make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, back
     grid covers. ``user_functions``: the forward calls the user's functions per score
     (`numbaflash.mods.Mods.per_score_functions`); ``softcap_alone``: its scores go through softcap's tanh alone
     (`numbaflash.mods.Mods.softcap_alone`); ``block_sparse``: a block mask's call, whose blocks visit only its
-    non-empty tiles; ``alibi_alone``: ALiBi without softcap or a score_mod (`numbaflash.mods.Mods.alibi_alone`);
+    non-empty tiles, on average ``block_visits`` key tiles a block of `block_visits_tiles` (an int; None: unknown,
+    taken as few); ``alibi_alone``: ALiBi without softcap or a score_mod (`numbaflash.mods.Mods.alibi_alone`);
     ``lse``: the caller takes the forward's LSE (``return_lse``, or a backward from it), which the tensor cores' row
     sums do not give exactly (`ROW_SUMS_HEADDIMS`); ``softcap``: the call's softcap with ``softcap_alone``, whose bound
     on the scores a bfloat16 forward takes for its maximum (`fixed_maximum`).
     ``deterministic``: a backward whose repeats are bitwise identical; False with v5's ``tiles`` runs its dK/dV
     kernel that accumulates dQ with float32 atomics (`WGMMA_ATOMIC_DQ`), which no plan picks by itself."""
     device = current_device() if device is None else device
+    if block_visits is not None and not (block_sparse and isinstance(block_visits, numbers.Integral)
+                                         and block_visits >= 0):
+        raise ValueError(f"block_visits must be None or, with block_sparse, an int >= 0; got {block_visits!r}")
     return _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned,
-                      packed, user_functions, deterministic, softcap_alone, block_sparse, alibi_alone, lse, softcap)
+                      packed, user_functions, deterministic, softcap_alone, block_sparse, alibi_alone, lse, softcap,
+                      block_visits)
 
 
 @functools.lru_cache(maxsize=1024)  # plans are immutable; a model calls attention with few distinct shapes
 def _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned, packed,
-               user_functions, deterministic, softcap_alone, block_sparse, alibi_alone, lse, softcap):
+               user_functions, deterministic, softcap_alone, block_sparse, alibi_alone, lse, softcap, block_visits):
     plan = _choose_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned,
-                        packed, user_functions, deterministic, softcap_alone, block_sparse, alibi_alone, lse, softcap)
+                        packed, user_functions, deterministic, softcap_alone, block_sparse, alibi_alone, lse, softcap,
+                        block_visits)
     if backward and not deterministic and not isinstance(plan.tiles, WgmmaTiles):  # the wgmma plans say their own
         plan = dataclasses.replace(plan, reason=plan.reason + f"; deterministic=False: {plan.kernel} has no atomic "
                                    "dQ, and runs its deterministic passes")
@@ -601,7 +625,7 @@ def _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, bac
 
 
 def _choose_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned, packed,
-                 user_functions, deterministic, softcap_alone, block_sparse, alibi_alone, lse, softcap):
+                 user_functions, deterministic, softcap_alone, block_sparse, alibi_alone, lse, softcap, block_visits):
     from .kernels.mma import backward as mma_backward
     from .kernels.simt import backward as simt_backward, forward as simt_forward
 
@@ -617,7 +641,7 @@ def _choose_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, b
             return _wgmma_backward_plan(shape, device, tiles, aligned, packed, deterministic, block_sparse)
         if not backward and (isinstance(tiles, WgmmaTiles) or (tiles is None and uses_wgmma(dtype, device, headdim))):
             return _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, softcap_alone,
-                                       block_sparse, alibi_alone, lse, softcap)
+                                       block_sparse, alibi_alone, lse, softcap, block_visits)
         if not backward:
             return _mma_forward_plan(shape, device, tiles)
         if headdim <= mma_backward.MAX_HEADDIM:
@@ -755,14 +779,16 @@ def _mma_forward_plan(shape, device, tiles, hopper=""):
 
 
 def _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, softcap_alone, block_sparse,
-                        alibi_alone, lse, softcap):
+                        alibi_alone, lse, softcap, block_visits):
     from .kernels.wgmma import forward as wgmma_forward, ws_forward as wgmma_ws_forward
 
     D = next(D for D in WGMMA_HEADDIMS if shape["headdim"] <= D)
     copies = ""
+    many_visits = block_sparse and block_visits is not None and block_visits >= WGMMA_BLOCK_SPARSE_DENSE_VISITS
     if tiles is None:
         tiles = (SIMULATOR_WGMMA_TILES if device.simulator else
                  WGMMA_USER_FUNCTION_TILES.get(D, WGMMA_TILES[D]) if user_functions else
+                 WGMMA_TILES[D] if many_visits else
                  WGMMA_BLOCK_SPARSE_TILES.get(D, WGMMA_TILES[D]) if block_sparse else
                  WGMMA_SOFTCAP_TILES.get(D, WGMMA_TILES[D]) if softcap_alone else
                  WGMMA_ALIBI_TILES.get(D, WGMMA_TILES[D]) if alibi_alone and not packed else WGMMA_TILES[D])
@@ -771,6 +797,9 @@ def _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, s
                       f"registers hold them ({WGMMA_TILES[D].warpgroups} spill them)")
         elif tiles.blocks_per_sm > 1:
             copies = f"; {SHARED_BLOCKS_REASON}"
+        elif many_visits and D in WGMMA_BLOCK_SPARSE_TILES:
+            copies = (f"; a block mask whose blocks visit {block_visits} key tiles each on average (at least "
+                      f"{WGMMA_BLOCK_SPARSE_DENSE_VISITS}): the dense plan's tiles, whose consumers take turns")
         elif tiles.exp2_fma:
             copies = "; softcap's tanh and the softmax's ex2 bound the special-function unit"
         elif tiles.alibi_columns:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import numbaflash
-from numbaflash import block_sparsity, masks, reference, tiling
+from numbaflash import block_sparsity, interface, masks, reference, tiling
 from numbaflash.kernels import key_tiles
 from numbaflash.mods import Mods
 from cases import (NP_DTYPES, Case, assert_close_as_flash_attn, check_backward, check_forward, check_gradients,
@@ -535,6 +535,15 @@ def shared_tiles(mode, backward=False):
     return tiling.WgmmaTiles(64, 16, 1, producer=True, tma=True, blocks_per_sm=2)
 
 
+def forward_block_families(mode):
+    """The forward families a block mask runs in: `FAMILIES`, the shared blocks, and on a GPU the dense plan's tiles
+    (three consumers taking turns), which a block mask whose blocks visit many tiles plans
+    (`tiling.WGMMA_BLOCK_SPARSE_DENSE_VISITS`); on the simulator those are v5's one warpgroup."""
+    families = dict(FAMILIES, **{SHARED: ("float16", shared_tiles(mode))})
+    return dict(families, **{"wgmma v5, the dense plan's tiles": ("float16", tiling.WGMMA_TILES[64])}) \
+        if mode == "gpu" else families
+
+
 def test_a_block_mask_gives_the_dense_mask_mod_result(arrays, mode):
     """Documents of a packed sequence, causal inside each: the forward with the block mask visits only the
     non-empty tiles, skips mask_mod on full ones and reads its verdicts on partial ones from the block mask's
@@ -547,7 +556,7 @@ def test_a_block_mask_gives_the_dense_mask_mod_result(arrays, mode):
     doc = np.repeat(np.arange(4), [6, 20, 3, seqlen - 29]).astype(np.int32)[None]  # (1, seqlen)
     bm = numbaflash.block_mask(same_document_causal, None, None, seqlen, seqlen, mod_args=(doc,))
     assert 0 < bm.density(16, 16) < 1
-    for family, (dtype, tiles) in dict(FAMILIES, **{SHARED: ("float16", shared_tiles(mode))}).items():
+    for family, (dtype, tiles) in forward_block_families(mode).items():
         case = Case(1, seqlen, seqlen, 1, 1, 16, dtype, seed=8)
         q, k, v = (to_device(x) for x in inputs(case))
         forward = forward_of(case, tiles)
@@ -576,7 +585,7 @@ def test_a_block_mask_under_a_causal_or_window_mask_gives_the_dense_result(windo
     doc = np.repeat(np.arange(2), [first, seqlen - first]).astype(np.int32)[None]
     bm = numbaflash.block_mask(same_document_only, None, None, seqlen, seqlen, mod_args=(doc,))
     assert (bm.classify(64, 16) == block_sparsity.FULL).any()
-    for family, (dtype, tiles) in dict(FAMILIES, **{SHARED: ("float16", shared_tiles(mode))}).items():
+    for family, (dtype, tiles) in forward_block_families(mode).items():
         case = Case(1, seqlen, seqlen, 1, 1, 16, dtype, seed=9)
         q, k, v = (to_device(x) for x in inputs(case))
         forward = forward_of(case, tiles)
@@ -897,6 +906,44 @@ def test_only_the_users_per_score_functions_keep_headdim_64_at_two_consumers():
     assert tiling.SHARED_BLOCKS_REASON not in plan(Mods()).reason
 
 
+def test_a_block_mask_whose_blocks_visit_many_tiles_plans_the_dense_forward_tiles(arrays):
+    """At headdim 64 a block mask's forward runs the dense plan's tiles where a block of them visits at least
+    `tiling.WGMMA_BLOCK_SPARSE_DENSE_VISITS` key tiles on average, and says so; fewer, or an unknown count, plan the
+    shared blocks, as does every backward; headdim 128 plans its usual tiles and counts nothing. The call's plan
+    counts its block mask's visits (`BlockMask.mean_visits`): one document of 12288 tokens, causal inside, visits
+    65 tiles of 96 keys per 192-row block on average (block i visits 2 (i + 1)), 8 documents 9."""
+    to_device, _ = arrays
+    hopper = tiling.Device("H100 (planned)", (9, 0), 132, 227 * 1024)
+    many = tiling.WGMMA_BLOCK_SPARSE_DENSE_VISITS
+
+    def plan(visits, headdim=64, backward=False):
+        return tiling.make_plan(1, 8, 8, 16384, 16384, headdim, "float16", device=hopper, backward=backward,
+                                block_sparse=True, block_visits=visits)
+
+    assert tiling.block_visits_tiles(64) == (tiling.WGMMA_TILES[64].block_m, tiling.WGMMA_TILES[64].block_n)
+    assert tiling.block_visits_tiles(128) is None
+    dense = plan(many)
+    assert dense.tiles == tiling.WGMMA_TILES[64] and f"visit {many} key tiles each on average" in dense.reason
+    for shared in (plan(many - 1), plan(None)):
+        assert shared.tiles == tiling.WGMMA_BLOCK_SPARSE_TILES[64] and tiling.SHARED_BLOCKS_REASON in shared.reason
+    assert plan(many, backward=True).tiles == tiling.WGMMA_BLOCK_SPARSE_BACKWARD_TILES[64]
+    assert plan(many, headdim=128).tiles == tiling.WGMMA_TILES[128]
+    for bad in (-1, 2.5, "64"):
+        with pytest.raises(ValueError, match="block_visits must be None or, with block_sparse, an int >= 0"):
+            plan(bad)
+    with pytest.raises(ValueError, match="block_visits"):
+        tiling.make_plan(1, 8, 8, 64, 64, 64, "float16", device=hopper, block_visits=3)
+    seqlen = 12288
+    q = to_device(np.zeros((1, seqlen, 1, 64), np.float16))
+    for documents, visits, tiles in ((1, 65, tiling.WGMMA_TILES[64]), (8, 9, tiling.WGMMA_BLOCK_SPARSE_TILES[64])):
+        doc = (np.arange(seqlen, dtype=np.int32) // (seqlen // documents))[None]
+        bm = numbaflash.block_mask(same_document_causal, None, None, seqlen, seqlen, mod_args=(doc,))
+        assert bm.mean_visits(*tiling.block_visits_tiles(64), -1, -1) == visits
+        call = interface.inspect(q, q, q, False, None, (-1, -1), modifications=dict(
+            block_mask=bm, mod_args=(to_device(doc),)))
+        assert interface._plan_for(call, False, device=hopper).tiles == tiles, documents
+
+
 def test_alibi_alone_at_headdim_64_takes_its_column_term_from_the_tensor_cores():
     """ALiBi alone plans `tiling.WGMMA_ALIBI_TILES` at headdim 64 and says why; with softcap or a score_mod, packed
     sequences, a block mask, at headdim 128 and in the backward it does not. The column operands take shared
@@ -928,7 +975,6 @@ def test_alibi_alone_at_headdim_64_takes_its_column_term_from_the_tensor_cores()
 def test_built_in_modifications_keep_their_forwards_in_registers(headdim):
     """No local memory in the planned forwards of softcap alone, ALiBi alone (at 64 with its column operands) and
     both together."""
-    from numbaflash import interface
 
     for mods in (Mods(softcap=True), Mods(alibi=True), Mods(softcap=True, alibi=True)):
         plan = tiling.make_plan(1, 8, 8, 2048, 2048, headdim, "float16", softcap_alone=mods.softcap_alone,
@@ -994,7 +1040,6 @@ def test_softcap_bound_is_planned_for_bfloat16_within_its_limit(arrays):
     maximum in v5's forward at every head dim, with or without the LSE (a call's softcap reaches the plan), and says
     so; float16, a larger softcap, softcap with ALiBi and the backward keep running maxima. A plan with it refuses a
     call it does not hold for; only v5 has it."""
-    from numbaflash import interface
 
     to_device, _ = arrays
     hopper = tiling.Device("H100 (planned)", (9, 0), 132, 227 * 1024)
