@@ -9,8 +9,8 @@ plain ones (rows are query rows, columns keys). The steps, after the score produ
   key_end, ..., block_full, mod, slot)``: S^T of query rows ``q_start + c0 ..`` (columns ``c0 ..`` of a tile of
   rows from ``q_start``) becomes P^T = exp2(logit(S^T) - LSE) in place, 0 where the mask hides the score
   (``block_full``: a block mask found the mask_mod and the causal/window mask true on the whole tile
-  (`BlockMask.unmasked`), so neither is tested; otherwise, with a
-  block mask, its verdicts come from the tile's transposed bits at ``slot``, and mask_mod is not called), and
+  (`BlockMask.unmasked`), so neither is tested; otherwise, with a block mask, its verdicts come from the tile's
+  transposed bits at ``slot``, and mask_mod is not called), and
   with score modifications ``dlogit`` the modification's derivative; the LSE of tile column ``c`` is
   ``stats[lse_at + c]``.
   ``ds(s, dp, dlogit, stats, delta_at, t)``: dP^T becomes dS^T = P^T (dP^T - D) (times ``dlogit``), D of
@@ -19,9 +19,9 @@ plain ones (rows are query rows, columns keys). The steps, after the score produ
   base-2 LSE, D (or both from a staged preprocess's ``stats`` in place of ``delta``) and visible key range
   into registers once; ``ds(s, dp, lse2, dsum, lo_r, hi_r, full, ..., block_full, mod, slot, row_start, c0)``
   turns S and dP of a row tile into dS in ``dp`` (``full``: the causal/window mask shows the whole tile;
-  ``block_full``: so does the mask_mod, and ``full`` is then not tested; otherwise, with a block mask, the rows read its verdicts on the
-  tile from its bits at ``slot`` (`key_tiles.verdict_slot`), columns from ``c0`` of the tile, as the forward's
-  `softmax` mask does, and mask_mod is not called).
+  ``block_full``: so does the mask_mod, and ``full`` is then not tested; otherwise, with a block mask, the rows
+  read its verdicts on the tile from its bits at ``slot`` (`key_tiles.verdict_slot`), columns from ``c0`` of the
+  tile, as the forward's `softmax` mask does, and mask_mod is not called).
 * `stats_stager` -> ``(load, store, per_thread)``: a query tile's LSE and D, loaded to registers early
   (their latency hides behind the tile's products) and stored to shared memory after.
 
