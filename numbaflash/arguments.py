@@ -16,12 +16,12 @@ def flag(value, name):
     return bool(value)
 
 
-def positive_int(value, name):
-    """An integer >= 1 (Python or NumPy; not a bool, not a float even if whole)."""
+def positive_int(value, name, least=1):
+    """An integer >= ``least`` (Python or NumPy; not a bool, not a float even if whole)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer >= 1, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        raise TypeError(f"{name} must be an integer >= {least}, got {value!r}")
+    if value < least:
+        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
     return int(value)
 
 

@@ -164,7 +164,7 @@ class BlockMask:
             starts = np.arange(classes.shape[3]) * block_n
             whole = np.array([[masks.tile_is_full(qt * block_m, min(qt * block_m + block_m, self.seqlen_q), int(c),
                                                   int(c) + block_n, self.seqlen_q, self.seqlen_k, left, right)
-                               for c in starts] for qt in range(classes.shape[2])], bool).reshape(classes.shape[2:])
+                               for c in starts] for qt in range(classes.shape[2])], bool)
             self._unmasked[key] = (classes == FULL) & whole
         return self._unmasked[key]
 

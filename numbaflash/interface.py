@@ -218,7 +218,7 @@ def _make_plan(call, backward, device, aligned, deterministic, lse):
                             user_functions=call.mods.per_score_functions, deterministic=deterministic,
                             softcap_alone=call.mods.softcap_alone, block_sparse=call.mods.block_sparse,
                             alibi_alone=call.mods.alibi_alone, lse=lse, softcap=call.softcap,
-                            block_visits=_block_visits(call))
+                            block_visits=None if backward else _block_visits(call))
 
 
 def _block_visits(call):

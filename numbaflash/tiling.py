@@ -7,9 +7,9 @@ Computed in one place from the shapes, the dtype and the device, and used by the
 import dataclasses
 import functools
 import math
-import numbers
 from dataclasses import dataclass
 
+from . import arguments
 from .kernels.intrinsics import SIMULATOR
 
 LOG2E = math.log2(math.e)
@@ -579,10 +579,15 @@ def _choose(direction, acc, D, acc_bytes, device, smem_of, wide=False):
     return dataclasses.replace(fitting[0], float64_scores=wide)
 
 
+def wgmma_headdim(headdim):
+    """The head dim the wgmma kernels pad ``headdim`` (at most 256) to."""
+    return next(D for D in WGMMA_HEADDIMS if headdim <= D)
+
+
 def block_visits_tiles(headdim):
     """``(block_m, block_n)``: the forward tiles at which `make_plan`'s ``block_visits`` counts a block mask's visits
     for ``headdim``, or None where no plan depends on them (`WGMMA_BLOCK_SPARSE_DENSE_VISITS`)."""
-    D = next((D for D in WGMMA_HEADDIMS if headdim <= D), None)
+    D = wgmma_headdim(headdim)
     return (WGMMA_TILES[D].block_m, WGMMA_TILES[D].block_n) if D in WGMMA_BLOCK_SPARSE_TILES else None
 
 
@@ -604,9 +609,10 @@ def make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, back
     ``deterministic``: a backward whose repeats are bitwise identical; False with v5's ``tiles`` runs its dK/dV
     kernel that accumulates dQ with float32 atomics (`WGMMA_ATOMIC_DQ`), which no plan picks by itself."""
     device = current_device() if device is None else device
-    if block_visits is not None and not (block_sparse and isinstance(block_visits, numbers.Integral)
-                                         and block_visits >= 0):
-        raise ValueError(f"block_visits must be None or, with block_sparse, an int >= 0; got {block_visits!r}")
+    if block_visits is not None:
+        if not block_sparse:
+            raise ValueError("block_visits counts a block mask's visits: it is None without block_sparse=True")
+        block_visits = arguments.positive_int(block_visits, "block_visits", least=0)
     return _make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, backward, device, tiles, aligned,
                       packed, user_functions, deterministic, softcap_alone, block_sparse, alibi_alone, lse, softcap,
                       block_visits)
@@ -782,9 +788,9 @@ def _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, s
                         alibi_alone, lse, softcap, block_visits):
     from .kernels.wgmma import forward as wgmma_forward, ws_forward as wgmma_ws_forward
 
-    D = next(D for D in WGMMA_HEADDIMS if shape["headdim"] <= D)
+    D = wgmma_headdim(shape["headdim"])
     copies = ""
-    many_visits = block_sparse and block_visits is not None and block_visits >= WGMMA_BLOCK_SPARSE_DENSE_VISITS
+    many_visits = D in WGMMA_BLOCK_SPARSE_TILES and (block_visits or 0) >= WGMMA_BLOCK_SPARSE_DENSE_VISITS
     if tiles is None:
         tiles = (SIMULATOR_WGMMA_TILES if device.simulator else
                  WGMMA_USER_FUNCTION_TILES.get(D, WGMMA_TILES[D]) if user_functions else
@@ -797,7 +803,7 @@ def _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, s
                       f"registers hold them ({WGMMA_TILES[D].warpgroups} spill them)")
         elif tiles.blocks_per_sm > 1:
             copies = f"; {SHARED_BLOCKS_REASON}"
-        elif many_visits and D in WGMMA_BLOCK_SPARSE_TILES:
+        elif many_visits:
             copies = (f"; a block mask whose blocks visit {block_visits} key tiles each on average (at least "
                       f"{WGMMA_BLOCK_SPARSE_DENSE_VISITS}): the dense plan's tiles, whose consumers take turns")
         elif tiles.exp2_fma:
@@ -847,7 +853,7 @@ def _wgmma_backward_plan(shape, device, tiles, aligned, packed, deterministic, b
     asked for: v5 accumulates dQ in its dK/dV kernel (`WGMMA_ATOMIC_DQ`)."""
     from .kernels.wgmma import backward as wgmma_backward, ws_backward as wgmma_ws_backward
 
-    D = next(D for D in WGMMA_HEADDIMS if shape["headdim"] <= D)
+    D = wgmma_headdim(shape["headdim"])
     planned = tiles is None
     if planned:
         if not aligned:

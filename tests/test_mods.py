@@ -551,17 +551,24 @@ def test_a_block_mask_gives_the_dense_mask_mod_result(arrays, mode):
     visits to empty tiles leave its maxima, sums and outputs as they were (the tensor-core kernels' maxima move
     only past `kernels.softmax.RESCALE_LOG2`; before that, such a visit rescaled them by ex2 of a product's
     rounding error on a GPU, 1 - 2^-24)."""
-    to_device, to_host = arrays
     seqlen = 40 if mode == "simulator" else 2048
     doc = np.repeat(np.arange(4), [6, 20, 3, seqlen - 29]).astype(np.int32)[None]  # (1, seqlen)
     bm = numbaflash.block_mask(same_document_causal, None, None, seqlen, seqlen, mod_args=(doc,))
     assert 0 < bm.density(16, 16) < 1
+    assert_forward_as_dense(bm, same_document_causal, doc, 8, arrays, mode)
+
+
+def assert_forward_as_dense(bm, mask_mod, doc, seed, arrays, mode, **window):
+    """Every forward family (`forward_block_families`) gives with block mask ``bm`` the dense ``mask_mod`` call's
+    result bit for bit, ``doc`` its mod_args, under the causal/window mask ``window``."""
+    to_device, to_host = arrays
+    seqlen = doc.shape[1]
     for family, (dtype, tiles) in forward_block_families(mode).items():
-        case = Case(1, seqlen, seqlen, 1, 1, 16, dtype, seed=8)
+        case = Case(1, seqlen, seqlen, 1, 1, 16, dtype, seed=seed)
         q, k, v = (to_device(x) for x in inputs(case))
         forward = forward_of(case, tiles)
-        dense = to_host(forward(q, k, v, mask_mod=same_document_causal, mod_args=(to_device(doc),)))
-        sparse = to_host(forward(q, k, v, block_mask=bm, mod_args=(to_device(doc),)))
+        dense = to_host(forward(q, k, v, mask_mod=mask_mod, mod_args=(to_device(doc),), **window))
+        sparse = to_host(forward(q, k, v, block_mask=bm, mod_args=(to_device(doc),), **window))
         assert np.array_equal(dense.view(np.uint8), sparse.view(np.uint8)), (
             family, np.abs(dense.astype(np.float64) - sparse).max())
 
@@ -579,20 +586,12 @@ def test_a_block_mask_under_a_causal_or_window_mask_gives_the_dense_result(windo
     """Two documents without causality under the call's causal or window mask: tiles full to the mask_mod that the
     window crosses are masked (their bits hold the window, `BlockMask.key_tiles`), so every forward family gives
     the dense mask_mod call's result bit for bit, as in `test_a_block_mask_gives_the_dense_mask_mod_result`."""
-    to_device, to_host = arrays
     # the first document longer than a 64-row block: such blocks have tiles full to the mask_mod on the simulator too
     seqlen, first = (80, 66) if mode == "simulator" else (2048, 1027)
     doc = np.repeat(np.arange(2), [first, seqlen - first]).astype(np.int32)[None]
     bm = numbaflash.block_mask(same_document_only, None, None, seqlen, seqlen, mod_args=(doc,))
     assert (bm.classify(64, 16) == block_sparsity.FULL).any()
-    for family, (dtype, tiles) in forward_block_families(mode).items():
-        case = Case(1, seqlen, seqlen, 1, 1, 16, dtype, seed=9)
-        q, k, v = (to_device(x) for x in inputs(case))
-        forward = forward_of(case, tiles)
-        dense = to_host(forward(q, k, v, mask_mod=same_document_only, mod_args=(to_device(doc),), **window))
-        sparse = to_host(forward(q, k, v, block_mask=bm, mod_args=(to_device(doc),), **window))
-        assert np.array_equal(dense.view(np.uint8), sparse.view(np.uint8)), (
-            family, np.abs(dense.astype(np.float64) - sparse).max())
+    assert_forward_as_dense(bm, same_document_only, doc, 9, arrays, mode, **window)
 
 
 @pytest.mark.parametrize("shown", ["same document, causal", "everywhere"])
@@ -928,10 +927,10 @@ def test_a_block_mask_whose_blocks_visit_many_tiles_plans_the_dense_forward_tile
         assert shared.tiles == tiling.WGMMA_BLOCK_SPARSE_TILES[64] and tiling.SHARED_BLOCKS_REASON in shared.reason
     assert plan(many, backward=True).tiles == tiling.WGMMA_BLOCK_SPARSE_BACKWARD_TILES[64]
     assert plan(many, headdim=128).tiles == tiling.WGMMA_TILES[128]
-    for bad in (-1, 2.5, "64"):
-        with pytest.raises(ValueError, match="block_visits must be None or, with block_sparse, an int >= 0"):
+    for bad, error in ((-1, ValueError), (2.5, TypeError), ("64", TypeError), (True, TypeError)):
+        with pytest.raises(error, match="block_visits must be an integer >= 0"):
             plan(bad)
-    with pytest.raises(ValueError, match="block_visits"):
+    with pytest.raises(ValueError, match="block_visits counts a block mask's visits: it is None without block_sparse"):
         tiling.make_plan(1, 8, 8, 64, 64, 64, "float16", device=hopper, block_visits=3)
     seqlen = 12288
     q = to_device(np.zeros((1, seqlen, 1, 64), np.float16))
