@@ -49,6 +49,23 @@ def _host_copy(op):
     return host
 
 
+# Longest-sequence pairs remembered per layout of the packed views (`_packed_memo`); past it, the pairs start over.
+_PAIRS_KEPT = 64
+
+
+def _packed_memo(memo, seqlen_q, seqlen_k):
+    """What a varlen call remembers (`interface.Call.memo`): the share of its views' layout ``memo`` for its longest
+    sequences. The views' shapes show the packed totals, not the longest sequences, which the plan's grid covers: a
+    call of the same layout with a longer sequence took the plan remembered for a shorter one, and its rows past
+    that one's length were never computed."""
+    if memo is None:
+        return None
+    pairs = memo.setdefault("packed", {})
+    if (seqlen_q, seqlen_k) not in pairs and len(pairs) >= _PAIRS_KEPT:
+        pairs.clear()
+    return pairs.setdefault((seqlen_q, seqlen_k), {})
+
+
 def _check_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, totals):
     """The cu_seqlens as Operands and the number of sequences; each checked on the host (a small copy):
     int32, 1-D, equal lengths >= 2, from 0, non-decreasing, ending at its total; max_seqlen at least the
@@ -93,7 +110,8 @@ def _inspect(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ca
     views = [_arrays.batch_view(x, batch) for x in (q, k, v)]
     call = interface.inspect(*views, causal, softmax_scale, window_size, modifications=modifications, backward=backward)
     call.seqlen_q, call.seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
-    call.mods = dataclasses.replace(call.mods, packed=True)
+    call.memo = _packed_memo(call.memo, call.seqlen_q, call.seqlen_k)
+    call.mods = call.remembered("packed mods", lambda: dataclasses.replace(call.mods, packed=True))
     call.mod_values = tuple(cu_ops) + call.mod_values  # `kernels.mods.values`'s order
     return _Packed(call, *totals)
 

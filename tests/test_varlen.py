@@ -63,7 +63,8 @@ def results_of(dtype, causal, mods, packed, cu, to_device, to_host, tiles=None, 
     seqlens_q, seqlens_k = np.diff(cu[0]), np.diff(cu[1])
     lengths = (int(cu[0].shape[0]) - 1, int(seqlens_q.max()), int(seqlens_k.max()))
     options = Case(1, 1, 1, 1, 1, q.shape[-1], dtype, causal=causal, logit_scale=2.0, modifications=mods)
-    options = dict(softmax_scale=options.scale, **options.options(to_device))
+    # a Python float, as callers pass it, so that the calls' layouts are remembered (`call_cache`) as theirs are
+    options = dict(softmax_scale=float(options.scale), **options.options(to_device))
     dev = [to_device(x) for x in (q, k, v, dout, *cu)]
 
     def plan_of(chosen, backward=False):
@@ -132,6 +133,16 @@ def test_a_sequence_never_reads_the_next_ones_values(family, arrays, poisoned):
     results = results_of(dtype, False, {}, (q, k, v, dout), cu, *arrays, tiles=tiles, backward=True,
                          backward_tiles=BACKWARD_TILES.get(family))
     check_sequences(cases[:1], results[:1], cu, arrays[0], backward=True)
+
+
+def test_a_longer_sequence_in_a_packed_layout_seen_before_is_computed_whole(arrays, poisoned):
+    """Two calls whose packed operands have one layout (the same totals and number of sequences), the second with
+    longer sequences, on the plans the calls choose: the second's plan covers its own longest sequences, not the
+    first's (the views' layout remembered a plan whose grid left the longer sequence's first rows unwritten)."""
+    for seqlens_q, seqlens_k in (((16, 16), (16, 16)), ((4, 28), (4, 28))):
+        cases, results, cu = run("float32", None, True, *arrays, backward=True, seqlens_q=seqlens_q,
+                                 seqlens_k=seqlens_k)
+        check_sequences(cases, results, cu, arrays[0], backward=True)
 
 
 # At real sizes every family (the production tiles, or v3's), many sequences of odd lengths.
