@@ -11,6 +11,7 @@ sequence is padded and no work is spent on padding.
 
 import dataclasses
 import weakref
+from typing import NamedTuple
 
 import numpy as np
 
@@ -29,24 +30,41 @@ class _Packed:
     total_k: int
 
 
-# cu_seqlens already read to the host, by id: (weak reference, torch's version counter, host copy). A model passes
-# the same cu_seqlens to every layer, forward and backward; a torch tensor whose version counter has not moved
-# holds the same values (unless written behind torch's back, through another library's view of its memory),
-# so only its first call pays the copy and its synchronization (5-30% of a short call on the H100).
-_HOST_COPIES = {}
+class _Lengths(NamedTuple):
+    """What the checks need of a cu_seqlens array, read once on the host."""
+
+    first: int
+    last: int
+    never_decreasing: bool
+    longest: int  # the longest sequence
+    head: str  # its first entries, for a message
 
 
-def _host_copy(op):
+def _read_lengths(op):
+    cu = _arrays.to_host(op).astype(np.int64)
+    lengths = np.diff(cu)
+    head = f"{cu[:4].tolist()}{' ...' if len(cu) > 4 else ''}"
+    return _Lengths(int(cu[0]), int(cu[-1]), bool((lengths >= 0).all()), int(lengths.max()), head)
+
+
+# cu_seqlens already read, by id: (weak reference, torch's version counter, `_Lengths`). A model passes the same
+# cu_seqlens to every layer, forward and backward; a torch tensor whose version counter has not moved holds the
+# same values (unless written behind torch's back, through another library's view of its memory), so only its first
+# call pays the copy and its synchronization (5-30% of a short call on the H100) and the checks' NumPy reductions.
+_READ = {}
+
+
+def _lengths(op):
     x = op.obj
     version = getattr(x, "_version", None) if op.kind == "torch" else None
     if version is None:
-        return _arrays.to_host(op)
-    entry = _HOST_COPIES.get(id(x))
+        return _read_lengths(op)
+    entry = _READ.get(id(x))
     if entry is not None and entry[0]() is x and entry[1] == version:
         return entry[2]
-    host = _arrays.to_host(op)
-    _HOST_COPIES[id(x)] = (weakref.ref(x, lambda _, key=id(x): _HOST_COPIES.pop(key, None)), version, host)
-    return host
+    lengths = _read_lengths(op)
+    _READ[id(x)] = (weakref.ref(x, lambda _, key=id(x): _READ.pop(key, None)), version, lengths)
+    return lengths
 
 
 # Longest-sequence pairs remembered per layout of the packed views (`_packed_memo`); past it, the pairs start over.
@@ -81,16 +99,15 @@ def _check_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, to
         if op.dtype != "int32" or len(op.shape) != 1 or op.shape[0] < 2:
             raise ValueError(f"{name} must be int32 of shape (num_sequences + 1,), at least 2 entries (flash-attn's "
                              f"cumulative lengths); got {op.dtype} of shape {op.shape}")
-        cu = _host_copy(op).astype(np.int64)
-        lengths = np.diff(cu)
-        if cu[0] != 0 or (lengths < 0).any() or cu[-1] != total:
+        cu = _lengths(op)
+        if cu.first != 0 or not cu.never_decreasing or cu.last != total:
             raise ValueError(f"{name} must start at 0, never decrease, and end at the packed length {total}; "
-                             f"got {cu[:4].tolist()}{' ...' if len(cu) > 4 else ''} ending at {cu[-1]}")
+                             f"got {cu.head} ending at {cu.last}")
         name_max = "max_seqlen_" + name[-1]
         arguments.positive_int(longest, name_max)
-        if longest < lengths.max():
+        if longest < cu.longest:
             raise ValueError(f"{name_max} ({longest}) is shorter than the longest sequence in {name} "
-                             f"({lengths.max()}); pass at least that")
+                             f"({cu.longest}); pass at least that")
         ops.append(op)
     if ops[0].shape != ops[1].shape:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one entry per sequence plus one, the same number; "
