@@ -28,7 +28,7 @@ padding; ``stats_start(total_q, num_sequences, whole)`` rows hold them all.
 
 import math
 
-from .intrinsics import device_function
+from .intrinsics import device_function, warp_uniform
 
 
 def stats_tile_rows(tiles):
@@ -66,7 +66,12 @@ def sequence_starts(mods, whole=1):
 
 
 def sequences(mods):
-    """``sequence(mod, b)``: the bounds ``(q_start, q_end, k_start, k_end)`` of packed sequence ``b``."""
+    """``sequence(mod, b)``: the bounds ``(q_start, q_end, k_start, k_end)`` of packed sequence ``b``, called by whole
+    warps (each bound is lane 0's, `warp_uniform`)."""
+    # Loaded into per-thread registers, the bounds made everything the loops derive from them per-thread to ptxas:
+    # v5's wgmma descriptors went through R2UR each tile, and the packed forwards and backwards spilled where the
+    # same kernels on a batch keep no local memory (36-68 bytes stored, 124-160 loaded at headdim 64 and 128, ptxas
+    # 13.0; none with the bounds uniform).
     # cu_seqlens_q's and cu_seqlens_k's places in the mod tuple (constants: the tuple's members differ in type)
     CU_Q_AT = int(mods.block_sparse)
     CU_K_AT = CU_Q_AT + 1
@@ -75,7 +80,8 @@ def sequences(mods):
         @device_function
         def sequence(mod, b):
             cu_q, cu_k = mod[CU_Q_AT], mod[CU_K_AT]
-            return cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
+            return (warp_uniform(cu_q[b]), warp_uniform(cu_q[b + 1]), warp_uniform(cu_k[b]),
+                    warp_uniform(cu_k[b + 1]))
     else:
         @device_function
         def sequence(mod, b):  # never called: kernels narrow only when PACKED
