@@ -69,9 +69,9 @@ def sequences(mods):
     """``sequence(mod, b)``: the bounds ``(q_start, q_end, k_start, k_end)`` of packed sequence ``b``, called by whole
     warps (each bound is lane 0's, `warp_uniform`)."""
     # Loaded into per-thread registers, the bounds made everything the loops derive from them per-thread to ptxas:
-    # v5's wgmma descriptors went through R2UR each tile, and the packed forwards and backwards spilled where the
-    # same kernels on a batch keep no local memory (36-68 bytes stored, 124-160 loaded at headdim 64 and 128, ptxas
-    # 13.0; none with the bounds uniform).
+    # v5's wgmma descriptors went through R2UR each tile, and its packed kernels spilled where the same kernels on a
+    # batch keep no local memory (ptxas 13.0: the forwards 36-68 bytes stored and 124-160 loaded at headdim 64 and
+    # 128, the dK/dV pass 24 and 268 stored; none with the bounds uniform).
     # cu_seqlens_q's and cu_seqlens_k's places in the mod tuple (constants: the tuple's members differ in type)
     CU_Q_AT = int(mods.block_sparse)
     CU_K_AT = CU_Q_AT + 1
