@@ -155,9 +155,9 @@ class BlockMask:
     def unmasked(self, block_m, block_n, left, right):
         """bool ``(batch or 1, nheads or 1, query tiles, key tiles)``: the FULL tiles (`classify`) that the
         causal/window mask ``(left, right)`` and the sequences' ends also leave whole (`masks.tile_is_full` of the
-        tile's rows inside seqlen_q), cached. The schedules' full bit (`key_tiles`, `query_tiles`): the tensor-core
-        kernels test nothing on such a tile, neither the mask_mod nor the causal/window mask; a tile full to the
-        mask_mod alone takes a slot, whose bits hold both."""
+        tile's rows inside seqlen_q), cached. The schedules' full bit (`key_tiles`, `query_tiles`): no kernel tests
+        anything on such a tile, neither the mask_mod nor the causal/window mask; a tile full to the mask_mod alone
+        takes a slot, whose bits hold both."""
         key = (block_m, block_n, left, right)
         if key not in self._unmasked:
             classes = self.classify(block_m, block_n)

@@ -321,7 +321,9 @@ def build_dkdv(D, tiles, storage, mods=NONE):
                 fill(dp, TK, TQ, ZERO)
                 scores_patch(s, part, TK, TQ, k_t, r * TK, LDK, q_buf, c * TQ, LDQ, D)
                 scores_patch(dp, part, TK, TQ, v_t, r * TK, LDK, do_buf, c * TQ, LDQ, D)
-                full = masks.tile_is_full(q_start, q_end, key_start, key_start + BLOCK_K, seqlen_q, seqlen_k, left, right)
+                # a block mask's full visit is whole to every mask (`BlockMask.unmasked`): no edge test
+                full = block_full or masks.tile_is_full(q_start, q_end, key_start, key_start + BLOCK_K, seqlen_q,
+                                                        seqlen_k, left, right)
                 for bb in range(TQ):
                     row = q_start + c * TQ + bb
                     lo_b, hi_b = masks.key_range(row, seqlen_q, seqlen_k, left, right)
@@ -424,7 +426,8 @@ def build_dq(D, tiles, storage, mods=NONE):
                 fill(dp, TM, TN, ZERO)
                 scores_patch(s, part, TM, TN, q_t, r * TM, LDQ, k_buf, c * TN, LDK, D)
                 scores_patch(dp, part, TM, TN, do_t, r * TM, LDQ, v_t, c * TN, LDK, D)
-                full = masks.tile_is_full(row_start, row_end, n_start, n_start + BLOCK_N, seqlen_q, seqlen_k, left, right)
+                full = block_full or masks.tile_is_full(row_start, row_end, n_start, n_start + BLOCK_N, seqlen_q,
+                                                        seqlen_k, left, right)  # as the dK/dV pass's
                 for a in range(TM):
                     row = row_start + r * TM + a
                     lo_a, hi_a = masks.key_range(row, seqlen_q, seqlen_k, left, right)

@@ -146,9 +146,11 @@ def build(D, tiles, storage, mods=NONE):
                         s[a, bb] *= SCORE(scale_log2)
 
             # Only tiles that straddle the mask edge or the end of the keys pay for per-element masking,
-            # unless modifications (`kernels.mods`) turn every visible score or a mask_mod may hide some.
-            if MODIFIED or masked or not masks.tile_is_full(row_start, row_end, n_start, n_start + BLOCK_N, seqlen_q,
-                                                            seqlen_k, left, right):
+            # unless modifications (`kernels.mods`) turn every visible score or a mask_mod may hide some. A block
+            # mask's full tile (slot -1) is whole to every mask (`BlockMask.unmasked`): no edge test.
+            whole = (SPARSE and slot < 0) or masks.tile_is_full(row_start, row_end, n_start, n_start + BLOCK_N,
+                                                                seqlen_q, seqlen_k, left, right)
+            if MODIFIED or masked or not whole:
                 for a in range(TM):
                     row = row_start + r * TM + a
                     lo_a, hi_a = masks.key_range(row, seqlen_q, seqlen_k, left, right)
