@@ -43,7 +43,7 @@ from ..fragments import fill, fragment_writer
 from ..gradients import row_steps
 from ..intrinsics import (bulk_load, device_function, fence_proxy_async, mbarrier_arrive_expect_tx, mbarrier_init,
                          named_barrier_arrive, named_barrier_sync, red_add2, shared_address, tensormap_acquire,
-                         warp_uniform, wgmma_commit, wgmma_fence, wgmma_ss, wgmma_wait0)
+                         wgmma_commit, wgmma_fence, wgmma_ss, wgmma_wait0)
 from ..key_tiles import key_tiles, verdict_slot
 from ..mods import modifiers
 from ..query_tiles import query_tiles
@@ -316,10 +316,7 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
 
         take_registers()
         ctid = tid - PRODUCER
-        # the warpgroup as a uniform value (the forward's reason): per-thread, the descriptors computed from it moved
-        # to uniform registers (R2UR) before each product, 30 and 17 R2UR in the dK/dV and dQ kernels at headdim 64
-        # against 15 and 2 (ptxas 13.0); the varlen backward ran 2-3% faster, the batch's within 1% (H100)
-        wg, warp, lane = warp_uniform(ctid // 128), (ctid % 128) // 32, ctid % 32
+        wg, warp, lane = ctid // 128, (ctid % 128) // 32, ctid % 32
         g, t = lane >> 2, lane & 3
         dk_acc = cuda.local.array((DT, 4), types.float32)  # 64 keys x D per warpgroup
         dv_acc = cuda.local.array((DT, 4), types.float32)
@@ -476,7 +473,7 @@ def build_dq(D, tiles, storage, mods=NONE):
         take_registers()
         bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)
         ctid = tid - PRODUCER
-        wg, warp, lane = warp_uniform(ctid // 128), (ctid % 128) // 32, ctid % 32  # as the dK/dV kernel's
+        wg, warp, lane = ctid // 128, (ctid % 128) // 32, ctid % 32
         g, t = lane >> 2, lane & 3
         dq_acc = cuda.local.array((DT, 4), types.float32)  # 64 rows x D per warpgroup
         fill(dq_acc, DT, 4, ZERO)
