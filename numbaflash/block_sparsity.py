@@ -13,8 +13,8 @@ to the sums, but on a GPU the dense call's visit also rescales them by ex2 of th
 tile adds exact zeros to the gradients, so a deterministic backward's are the dense call's bit for bit.
 
 The causal/window mask of the call is applied on top: a tile outside it is skipped as it always was, and the
-schedules call a tile full only where that mask leaves it whole too (`BlockMask.unmasked`), so the tensor-core
-kernels test nothing on a full tile (the CUDA-core ones still test). On the H100 that took the causal block mask's
+schedules call a tile full only where that mask leaves it whole too (`BlockMask.unmasked`), so no kernel tests
+anything on a full tile (the CUDA-core ones since a later session). On the H100 that took the causal block mask's
 backward at headdim 64 from 1.10-1.13x to 1.07-1.08x the built-in causal's time (fp16, N = 16384, 16 heads, two
 interleaved runs, `.bench/bwd_ab.py`).
 """

@@ -581,15 +581,20 @@ def same_document_only(b, h, q_idx, kv_idx, doc):
     return doc[0, q_idx] == doc[0, kv_idx]
 
 
+def two_documents(mode):
+    """``(doc, block mask)`` of two documents without causality (`same_document_only`), the first longer than a 64-row
+    block: such blocks have tiles full to the mask_mod on the simulator too."""
+    seqlen, first = (80, 66) if mode == "simulator" else (2048, 1027)
+    doc = np.repeat(np.arange(2), [first, seqlen - first]).astype(np.int32)[None]
+    return doc, numbaflash.block_mask(same_document_only, None, None, seqlen, seqlen, mod_args=(doc,))
+
+
 @pytest.mark.parametrize("window", [dict(causal=True), dict(window_size=(9, 3))])
 def test_a_block_mask_under_a_causal_or_window_mask_gives_the_dense_result(window, arrays, mode):
     """Two documents without causality under the call's causal or window mask: tiles full to the mask_mod that the
     window crosses are masked (their bits hold the window, `BlockMask.key_tiles`), so every forward family gives
     the dense mask_mod call's result bit for bit, as in `test_a_block_mask_gives_the_dense_mask_mod_result`."""
-    # the first document longer than a 64-row block: such blocks have tiles full to the mask_mod on the simulator too
-    seqlen, first = (80, 66) if mode == "simulator" else (2048, 1027)
-    doc = np.repeat(np.arange(2), [first, seqlen - first]).astype(np.int32)[None]
-    bm = numbaflash.block_mask(same_document_only, None, None, seqlen, seqlen, mod_args=(doc,))
+    doc, bm = two_documents(mode)
     assert (bm.classify(64, 16) == block_sparsity.FULL).any()
     assert_forward_as_dense(bm, same_document_only, doc, 9, arrays, mode, **window)
 
@@ -600,8 +605,8 @@ def test_the_bits_of_partial_tiles_are_the_mask_where_the_window_shows_it(left, 
     """`BlockMask.key_tiles` and `query_tiles`: every partial tile a block visits has a slot, and its bits are
     mask_mod's verdicts on the scores the causal/window mask shows (0 elsewhere, where mask_mod is never asked); a
     full tile, one whose every score mask_mod and the causal/window mask show inside the sequences, has slot -1 (a
-    tile full to mask_mod alone that the window crosses takes a slot: the tensor-core kernels mask nothing on a
-    full tile). 24 keys per tile: a row's verdicts end inside its word."""
+    tile full to mask_mod alone that the window crosses takes a slot: no kernel masks anything on a full tile). 24
+    keys per tile: a row's verdicts end inside its word."""
     seqlen_q, seqlen_k, rows, cols = 45, 50, 16, 24
     doc = np.repeat(np.arange(3), [7, 30, 13])[None].astype(np.int32)
     mask_mod = shown_everywhere if shown == "everywhere" else same_document_causal
@@ -730,9 +735,8 @@ def test_a_block_masked_backward_under_a_causal_or_window_mask_gives_the_dense_r
     the dense mask_mod call's gradients (`test_a_block_masked_backward_skips_empty_tiles_in_both_passes`)."""
     dtype, tiles, deterministic = BACKWARD_FAMILIES[family]
     tiles = shared_tiles(mode, backward=True) if family == SHARED else tiles
-    seqlen, first = (80, 66) if mode == "simulator" else (2048, 1027)
-    doc = np.repeat(np.arange(2), [first, seqlen - first]).astype(np.int32)[None]
-    bm = numbaflash.block_mask(same_document_only, None, None, seqlen, seqlen, mod_args=(doc,))
+    doc, bm = two_documents(mode)
+    seqlen = doc.shape[1]
     case = Case(1, seqlen, seqlen, 1, 1, 16, dtype, seed=9, **window,
                 modifications=dict(mask_mod=same_document_only, mod_args=(doc,)))
     plan = tiling.make_plan(1, 1, 1, seqlen, seqlen, 16, dtype, backward=True, tiles=tiles, deterministic=deterministic)

@@ -8,7 +8,7 @@
 * ``start(mod, b, h, row_start, n_base, it)``: the first key of the ``it``-th (``n_base``: the first key of
   the first tile without a block mask, ``(lo // BLOCK_N) * BLOCK_N``);
 * ``full(mod, b, h, row_start, it)``: whether ``mask_mod`` and the causal/window mask show all of it
-  (`BlockMask.unmasked`: the tensor-core kernels then test no score there); False without a block mask.
+  (`BlockMask.unmasked`: no kernel tests a score there); False without a block mask.
 
 `tile_order` gives the order v5's forward visits them in (ALiBi's blocks start beside their diagonal).
 

@@ -11,7 +11,7 @@ that see its keys:
 * ``tile(mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, it)``: the ``it``-th visit's query head and
   first row, heads in order and each head's tiles ascending;
 * ``full(mod, b, hk, key_start, it)``: whether ``mask_mod`` and the causal/window mask show all of it
-  (`BlockMask.unmasked`: the tensor-core kernels then test no score there); False without a block mask.
+  (`BlockMask.unmasked`: no kernel tests a score there); False without a block mask.
 
 With a block mask (``mods.block_sparse``) ``mod[0]`` is `numbaflash.block_sparsity.BlockMask.query_tiles`'s
 ``(table, bits)``, made for these tiles, the call's causal/window mask and GQA group: entry 0 of a key block

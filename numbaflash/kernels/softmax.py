@@ -211,7 +211,7 @@ def steps(M, NT, DT, mods=NONE, fma_chunks=0, alibi_columns=False, row_sums=Fals
     def mask(s, shift, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left, right, scale, bh,
              block_full, mod, slot):
         # A block mask's full tile: mask_mod, the causal/window mask and the sequences' ends all show it whole
-        # (`BlockMask.key_tiles`), so neither mask_mod nor the edge test runs on it.
+        # (`BlockMask.unmasked`), so neither mask_mod nor the edge test runs on it.
         masked = MASKED and not block_full
         if not masked and (block_full or masks.tile_is_full(row_start, row_end, n_start, n_start + 8 * NT, seqlen_q,
                                                             seqlen_k, left, right)):
