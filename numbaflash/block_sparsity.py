@@ -14,7 +14,7 @@ tile adds exact zeros to the gradients, so a deterministic backward's are the de
 
 The causal/window mask of the call is applied on top: a tile outside it is skipped as it always was, and the
 schedules call a tile full only where that mask leaves it whole too (`BlockMask.unmasked`), so no kernel tests
-anything on a full tile (the CUDA-core ones since a later session). On the H100 that took the causal block mask's
+anything on a full tile (the CUDA-core kernels since 2026-11-27). On the H100 that took the causal block mask's
 backward at headdim 64 from 1.10-1.13x to 1.07-1.08x the built-in causal's time (fp16, N = 16384, 16 heads, two
 interleaved runs, `.bench/bwd_ab.py`).
 """
