@@ -127,7 +127,9 @@ class WgmmaTiles:
     (`numbaflash.mods.Mods.alibi_alone`) takes each one-sided tile's column term from one more wgmma k-step
     (`wgmma.alibi_columns`), other calls ignore it; with ``row_sums`` (v5) the tensor cores sum each row's P
     beside P V (`wgmma.row_sums`) instead of the softmax's adds; with ``bounded_max`` (v5) a call with softcap alone
-    takes softcap's bound for every row's maximum (`fixed_maximum`), other calls ignore it."""
+    takes softcap's bound for every row's maximum (`fixed_maximum`), other calls ignore it; with ``scores_ahead`` (v5
+    forward) each consumer issues a key tile's S = Q K^T one tile early, into a second register set, so that it runs
+    under the softmax of the tile before it."""
 
     block_m: int
     block_n: int
@@ -141,6 +143,7 @@ class WgmmaTiles:
     alibi_columns: bool = False
     row_sums: bool = False
     bounded_max: bool = False
+    scores_ahead: bool = False
 
     def __post_init__(self):
         if self.block_m != 64 * self.warpgroups:
@@ -165,6 +168,9 @@ class WgmmaTiles:
             raise ValueError(f"row sums from the tensor cores (row_sums) are v5's (tma=True); got {self}")
         if self.bounded_max and not self.tma:
             raise ValueError(f"softcap's bound as each row's maximum (bounded_max) is v5's (tma=True); got {self}")
+        if self.scores_ahead and not self.tma:
+            raise ValueError(f"a tile's scores issued ahead of the softmax before them (scores_ahead) are v5's "
+                             f"(tma=True); got {self}")
 
     @property
     def threads(self):
@@ -295,7 +301,18 @@ WGMMA_USER_FUNCTION_TILES = {64: WgmmaTiles(128, 128, 2, producer=True, tma=True
 # 128 blocks 1.38-1.39x); at 128 1.15x with none, 1.17-1.18x with 2, 4 or 6 of 16. Three runs of each on the H100
 # (2026-11-26, .bench/cap_ab.py, non-causal then causal, means): 1.38x and 1.37x with none, 1.38x and 1.34x with 2,
 # 1.39x and 1.37x with 3, 1.40x and 1.38x with 4: 2 (it was 4).
-WGMMA_SOFTCAP_TILES = {64: dataclasses.replace(WGMMA_TILES[64], exp2_fma=2)}
+# At headdim 128 softcap's forward issues each tile's S a tile ahead (`WgmmaTiles.scores_ahead`), in 96-key tiles
+# whose two S register sets fit two consumers (128 keys spilled 264 bytes, 112 spilled 64; ptxas 13.0), without
+# ping-pong: its time over the 128 x 128 ping-pong tiles' 0.953 (0.951-0.957), 0.983 (0.956-0.984) and 0.958
+# (0.939-0.967x) in three runs (H100, 2026-11-27, fp16, N = 16384, 16 heads, no LSE, three rounds each, .bench/ahead.py),
+# with ping-pong 0.980, in 64-key tiles 1.009-1.025, with 2 or 4 chunks of ex2 on the FMA pipe 1.00-1.02, without
+# ahead 1.03 (96 keys) and 0.99 (128). At 64 none beat the plan above: 128 x 128 0.988-1.043x its time (with 2-8
+# chunks of float16 pairs 0.997-1.021x), 128 x 96 1.035-1.092x, 192 x 64 1.044x; the plain kernels ran slower
+# (1.05x at 128, 1.10-1.21x at 64).
+WGMMA_SOFTCAP_TILES = {64: dataclasses.replace(WGMMA_TILES[64], exp2_fma=2),
+                       128: WgmmaTiles(128, 96, 2, producer=True, tma=True, scores_ahead=True)}
+SCORES_AHEAD_REASON = ("softcap's tanh and ex2 per score: each consumer issues a key tile's S a tile ahead, so its "
+                       "softmax starts without waiting for a product")
 # With the tensor cores' row sums (`ROW_SUMS_HEADDIMS`) a float16 P is needed only as the 16-bit words P V takes, so
 # the FMA pipe's chunks take their exponentials two at a time as float16 pairs (`ex2_fma_f16x2`: 11 instructions a
 # pair, 4 of them HFMA2, against `ex2_fma`'s 9 a score and the pair's conversion), and more chunks pay. H100,
@@ -811,6 +828,8 @@ def _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, s
         elif tiles.alibi_columns:
             copies = ("; ALiBi alone: one more wgmma k-step adds the bias's column term to each key tile on one side "
                       "of a warpgroup's diagonal, whose scores then take no instruction of their own")
+        elif tiles.scores_ahead:
+            copies = f"; {SCORES_AHEAD_REASON}"
         cp_async = ("q, k or v has a head dim that is not contiguous, not a multiple of 8 or not 16-byte aligned, "
                     "which the bulk tensor copy engine cannot read" if tiles.tma and not aligned else "")
         if (cp_async or not tiles.producer) and D not in WGMMA_CP_ASYNC_TILES:

@@ -76,6 +76,25 @@ def test_wgmma_forward_with_ping_pong_consumers(case, consumers, arrays, poisone
     check_forward(case, with_tiles(case, tiles), *arrays)
 
 
+# Each tile's scores issued a tile ahead, into a second register set (softcap alone's plan at headdim 128): one key
+# tile (the second S, past the last tile, is never read), an odd and an even number of them (the loop takes two a
+# pass), causal rows that see no key, two consumers taking turns, and softcap with its bound as each row's maximum.
+AHEAD_CASES = [(Case(1, 30, 12, 2, 1, 64, "float16", seed=21), 1, {}),
+               (Case(1, 70, 45, 2, 1, 64, "bfloat16", causal=True, seed=22), 2, dict(pingpong=True)),
+               (Case(2, 50, 64, 2, 2, 128, "float16", window_size=(20, 3), seed=23), 1, {}),
+               (Case(1, 60, 75, 2, 1, 128, "bfloat16", causal=True, logit_scale=8.0, seed=24,
+                     modifications=dict(softcap=30.0)), 1, dict(bounded_max=True))]
+
+
+@pytest.mark.parametrize("case,consumers,flags", AHEAD_CASES)
+def test_wgmma_forward_with_scores_ahead(case, consumers, flags, arrays, poisoned):
+    """v5 whose consumers issue S_{j+1} with P_{j-1} V_{j-1} before the softmax of S_j."""
+    tiles = WgmmaTiles(64 * consumers, 16, consumers, producer=True, tma=True, scores_ahead=True, **flags)
+    check_forward(case, with_tiles(case, tiles), *arrays)
+    with pytest.raises(ValueError, match="scores_ahead.*are v5's"):
+        WgmmaTiles(64, 16, 1, producer=True, scores_ahead=True)
+
+
 def test_inputs_the_copy_engine_cannot_read_run_with_cp_async(arrays):
     """A head dim of 36 (72-byte rows, not 16-byte aligned) in a packed qkv: v3 runs, and the plan says why."""
     to_device, to_host = arrays

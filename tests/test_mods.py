@@ -413,6 +413,7 @@ GPU_FAMILIES = {
     "wgmma v5 (d128)": ("float16", 128, tiling.WGMMA_TILES[128]),
     "wgmma v5 (d256)": ("bfloat16", 256, tiling.WGMMA_TILES[256]),
     "wgmma v5 (3 consumers)": ("bfloat16", 64, tiling.WGMMA_TILES[64]),
+    "wgmma v5 (d128, scores ahead)": ("float16", 128, tiling.WGMMA_SOFTCAP_TILES[128]),
 }
 
 
@@ -1093,3 +1094,25 @@ def test_softcap_alone_at_headdim_64_takes_part_of_its_exponentials_from_the_fma
     assert plan(Mods(softcap=True), backward=True).tiles.exp2_fma == 0
     with pytest.raises(ValueError, match="exp2_fma counts 8-key chunks"):
         tiling.WgmmaTiles(64, 16, 1, exp2_fma=3)
+
+
+def test_softcap_alone_at_headdim_128_issues_each_tiles_scores_ahead():
+    """At headdim 128 softcap alone's forward plans `tiling.WGMMA_SOFTCAP_TILES` (each tile's S issued a tile ahead,
+    `wgmma.ws_forward`) and says why, with or without the LSE and in bfloat16 with its bound; the plain forward,
+    headdim 64, softcap with ALiBi and the backward do not."""
+    from numbaflash.mods import Mods
+
+    hopper = tiling.Device("H100 (planned)", (9, 0), 132, 227 * 1024)
+
+    def plan(mods, headdim=128, backward=False, dtype="float16", lse=True):
+        return tiling.make_plan(1, 8, 8, 2048, 2048, headdim, dtype, device=hopper, backward=backward, lse=lse,
+                                user_functions=mods.per_score_functions, softcap_alone=mods.softcap_alone, softcap=30.0)
+
+    for ahead in (plan(Mods(softcap=True)), plan(Mods(softcap=True), lse=False),
+                  plan(Mods(softcap=True), dtype="bfloat16")):
+        assert ahead.tiles.scores_ahead and tiling.SCORES_AHEAD_REASON in ahead.reason
+        assert (ahead.tiles.block_m, ahead.tiles.block_n) == (128, 96)
+    assert plan(Mods(softcap=True), dtype="bfloat16").tiles.bounded_max
+    for other in (plan(Mods()), plan(Mods(softcap=True), headdim=64), plan(Mods(softcap=True, alibi=True)),
+                  plan(Mods(softcap=True), backward=True)):
+        assert not getattr(other.tiles, "scores_ahead", False) and tiling.SCORES_AHEAD_REASON not in other.reason

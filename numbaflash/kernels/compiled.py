@@ -35,8 +35,9 @@ def kernel(build, D, tiles, storage, threads, mods=NONE):
     Blocks of more than 256 threads get launch bounds, which cap ptxas at 65536 / threads registers so
     the block can launch at all. Smaller blocks get none: under a bound of 256 the H200's JIT capped
     kernels at 128 registers and spilled (8 to 32 bytes of local memory); ptxas's own limit of 255
-    registers already lets a 256-thread block launch. A builder with a ``min_blocks`` attribute also bounds
-    the blocks per multiprocessor from below (`wgmma.ws_backward` says why), and so do tiles of two blocks per
+    registers already lets a 256-thread block launch. A builder with a ``min_blocks(tiles)`` function also bounds
+    the blocks per multiprocessor from below where it gives a number (`wgmma.ws_backward` and `wgmma.ws_forward` say
+    why), and so do tiles of two blocks per
     multiprocessor (`tiling.WgmmaTiles.blocks_per_sm`), which caps the registers at entry to half.
     """
     fn, signature = build(D, tiles, storage, mods)
@@ -44,7 +45,8 @@ def kernel(build, D, tiles, storage, threads, mods=NONE):
     if tiles.blocks_per_sm > 1 and not SIMULATOR:
         launch_bounds = (threads, tiles.blocks_per_sm)
     elif threads > 256 and not SIMULATOR:
-        launch_bounds = (threads, build.min_blocks) if hasattr(build, "min_blocks") else threads
+        least = build.min_blocks(tiles) if hasattr(build, "min_blocks") else None
+        launch_bounds = (threads, least) if least else threads
     # A kernel that calls the user's functions is not cached on disk: their code and globals can change
     # between processes under the same name.
     specialization = None if mods.user_functions else (build.__module__, build.__qualname__, D, repr(tiles), storage,

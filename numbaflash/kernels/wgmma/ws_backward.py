@@ -516,7 +516,12 @@ def build_dq(D, tiles, storage, mods=NONE):
     return attention_backward_dq_wgmma_ws, _signature(1, mods)
 
 
-build_dkdv.min_blocks = build_dkdv_dq.min_blocks = build_dq.min_blocks = MIN_BLOCKS
+def min_blocks(tiles):
+    """The launch bounds' blocks per multiprocessor (`compiled.kernel`): `MIN_BLOCKS` for every tiling."""
+    return MIN_BLOCKS
+
+
+build_dkdv.min_blocks = build_dkdv_dq.min_blocks = build_dq.min_blocks = min_blocks
 
 
 def _signature(n_outputs, mods):

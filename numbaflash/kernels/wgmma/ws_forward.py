@@ -35,6 +35,12 @@ k-step whose operands the block writes into shared memory once (`alibi_columns`)
 tensor cores sum each row's P beside P V, into 8 more columns of O's accumulators (`row_sums`), and with float16
 storage the ``exp2_fma`` chunks take their exponentials as float16 pairs when P is packed (`tiles.pack_p`).
 
+With ``tiles.scores_ahead`` each consumer issues a key tile's S one tile early, into a second register set, beside
+the P V before it (`step_ahead`): a tile's softmax starts without waiting for a product, while the tensor cores work
+through the last tile's P V and the next tile's S, and both are waited for after it, so no product is in flight
+across a branch or the loop's edge. K's copies then run two tiles ahead of V's. softcap alone at headdim 128 plans it
+(`tiling.WGMMA_SOFTCAP_TILES`); the plain kernels and softcap at 64 ran no faster with it (`tiling` keeps the runs).
+
 Packed (varlen) sequences run v5 (not v4): the tensor maps span the packed operands, a block's copies start at
 its sequence's rows (`sequences.sequence_starts`), and the last V tile of a sequence that ends inside it has
 the next sequence's rows zeroed by the producer's first warp before the consumers take it
@@ -62,6 +68,14 @@ from .tiles import ALIGN, advance, aligned_base, descriptors, pack_p, products, 
 # Ping-pong: consumer warpgroup w waits on named barrier TURN + w before it issues a tile's products and
 # then arrives on the next one's; each barrier completes with the waiting warpgroup and the arriving one.
 TURN, TURN_THREADS = 1, 256
+
+
+def min_blocks(tiles):
+    """The launch bounds' blocks per multiprocessor (`compiled.kernel`): one with ``scores_ahead``, whose second S
+    needs the registers setmaxnreg gives the consumers; with the thread count alone ptxas cannot tell the registers at
+    entry, ignores setmaxnreg (warning C7508) and spilled 256 bytes at 168 (headdim 64, 128 x 96; ptxas 13.0). The
+    other tilings keep the bounds they were measured with."""
+    return 1 if tiles.scores_ahead else None
 
 
 def tensor_map_args(q, k, v, tiles):
@@ -104,7 +118,8 @@ def build(D, tiles, storage, mods=NONE):
     K_EMPTY, V_EMPTY = BAR_AT + (1 + 2 * STAGES) * BARRIER_ELEMENTS, BAR_AT + (1 + 3 * STAGES) * BARRIER_ELEMENTS
     V_TAIL = BAR_AT + (1 + 4 * STAGES) * BARRIER_ELEMENTS
     TILE_N = BLOCK_N * D  # elements of one K or V stage
-    TMA, PINGPONG = tiles.tma, tiles.pingpong
+    TMA, PINGPONG, AHEAD = tiles.tma, tiles.pingpong, tiles.scores_ahead
+    K_LEAD = 2 if AHEAD else 1  # key tiles by which K's copies run ahead of V's: the consumers' order of reading them
     PACKED = mods.packed
     if PACKED and not TMA:  # v4 runs in no plan, and no test runs it on packed sequences
         raise ValueError(f"{tiles}: v4 (a producer without tma) does not take packed (varlen) sequences")
@@ -113,7 +128,9 @@ def build(D, tiles, storage, mods=NONE):
     FULL_ARRIVALS = 1 if TMA else PRODUCER  # one thread issues the bulk copies; every copier arrives otherwise
     stage_q, stage_kv = stager(D, BLOCK_M, PRODUCER), stager(D, BLOCK_N, PRODUCER)
     COLUMNS = tiles.alibi_columns and mods.alibi_alone  # ALiBi's column term from the tensor cores
-    scores, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage, onto=COLUMNS)
+    # with scores_ahead a tile's S is written between the same group's P V and its old values' last reader: its
+    # first k-step takes no input, or the zeros written for it serialized the group's wgmma (ptxas 13.0, C7515)
+    scores, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage, fresh=AHEAD and not COLUMNS, onto=COLUMNS)
     PAIRS = tiles.exp2_pairs(storage)
     pack = pack_p(BLOCK_N, storage, tiles.exp2_fma if PAIRS else 0)
     modifier = modifiers(mods, types.float32, fast=True)
@@ -179,9 +196,10 @@ def build(D, tiles, storage, mods=NONE):
     @device_function
     def produce(smem, words, base, q, k, v, maps, mod, b, h, hk, row_start, n_base, ntiles, tid, vec, seqlen_q,
                 seqlen_k):
-        # K runs one tile ahead of V, the order the consumers read them in (S_it with P_{it-1} V_{it-1}):
-        # V_it waits for P_{it-2} V_{it-2} to release its stage, and K_{it+1} issued after it would wait too.
-        # In the order K, V, K, V the consumers' wait for K took 26% of the warps' stall samples (ncu, d128).
+        # K runs K_LEAD tiles ahead of V, the order the consumers read them in (S_it with P_{it-1} V_{it-1}, or
+        # S_{it+1} with it ahead): V_it waits for P_{it-2} V_{it-2} to release its stage, and K_{it+1} issued after it
+        # would wait too. In the order K, V, K, V the consumers' wait for K took 26% of the warps' stall samples (ncu,
+        # d128).
         if TMA and tid >= (32 if PACKED else 1):
             return  # one thread issues the bulk copies (a packed sequence's tail takes its warp)
         q_start, k_start, _, map_b = starts(mod, b)  # where the maps find the block's sequence
@@ -193,11 +211,11 @@ def build(D, tiles, storage, mods=NONE):
             else:
                 stage_q(smem, base + Q_AT, q, b, row_start, h, tid, vec)
                 landed(smem, base + Q_FULL, vec)
-            for it in range(-1, ntiles):
-                if it + 1 < ntiles:
-                    tile = order(it + 1, row_start, n_base, ntiles, seqlen_q, seqlen_k)
-                    load_tile(smem, base, K_AT, K_FULL, K_EMPTY, it + 1, tile, k, maps, 1, mod, b, h, hk, row_start,
-                              n_base, tid, vec, k_start, map_b, seqlen_k)
+            for it in range(-K_LEAD, ntiles):
+                if it + K_LEAD < ntiles:
+                    tile = order(it + K_LEAD, row_start, n_base, ntiles, seqlen_q, seqlen_k)
+                    load_tile(smem, base, K_AT, K_FULL, K_EMPTY, it + K_LEAD, tile, k, maps, 1, mod, b, h, hk,
+                              row_start, n_base, tid, vec, k_start, map_b, seqlen_k)
                 if it >= 0:
                     tile = order(it, row_start, n_base, ntiles, seqlen_q, seqlen_k)
                     load_tile(smem, base, V_AT, V_FULL, V_EMPTY, it, tile, v, maps, 2, mod, b, h, hk, row_start,
@@ -269,6 +287,49 @@ def build(D, tiles, storage, mods=NONE):
              bh, block_full, mod, slot)
         online_softmax(s, shift, m_i, l_i, alpha, scale_log2, bh)
 
+    @device_function
+    def tile_info(it, mod, b, h, row_start, n_base, ntiles, seqlen_q, seqlen_k):
+        # Key tile ``it``'s first key, whether a block mask found it full, and its verdicts' slot (`key_tiles`)
+        tile = order(it, row_start, n_base, ntiles, seqlen_q, seqlen_k)
+        return (tile_start(mod, b, h, row_start, n_base, tile), tile_full(mod, b, h, row_start, tile),
+                tile_slot(mod, b, h, row_start, tile))
+
+    @device_function
+    def step_ahead(it, s, s_next, acc, p, m_i, l_i, alpha, smem, base, q_desc, k_desc, v_desc, ones_desc, k_stage,
+                   k_phase, v_stage, v_phase, wg, ctid, ntiles, row_start, row_end, n_base, seqlen_q, seqlen_k, mod, b,
+                   h, warp_row, g, t, left, right, scale_log2, bh):
+        # Key tile ``it`` with ``scores_ahead``: its S is in ``s`` (from K's ring stage ``k_stage``), P_{it-1} in ``p``
+        # and V_{it-1} in V's stage ``v_stage``. P_{it-1} V_{it-1} and S_{it+1} (into ``s_next``) are issued first, and
+        # the softmax starts at once, with no wait for a product; they are waited for after it, so no product is in
+        # flight across a branch or the loop's edge, where the compiler's copies of its accumulators would serialize
+        # it (ptxas 13.0, C7514). Returns the stages of S_{it+1} and of V_it.
+        n_start, full, slot = tile_info(it, mod, b, h, row_start, n_base, ntiles, seqlen_q, seqlen_k)
+        ahead = it + 1 < ntiles
+        next_k, next_k_phase = next_stage(k_stage, k_phase)
+        side = side_of(row_start + wg * 64, tile_info(min(it + 1, ntiles - 1), mod, b, h, row_start, n_base, ntiles,
+                                                      seqlen_q, seqlen_k)[0], seqlen_q, seqlen_k)
+        if ahead:
+            take(smem, base, K_FULL, next_k, next_k_phase)
+        take(smem, base, V_FULL, v_stage, v_phase)
+        my_turn(wg)
+        wgmma_fence()  # S_{it+1}, P and O were last written by ordinary instructions
+        weigh(acc, p, smem, advance(v_desc, 2 * v_stage * TILE_N), ones_desc)
+        # Past the last tile too, from a stage no copy writes any more, its S unread: a wgmma in a branch made the
+        # compiler copy the untaken branch's accumulators between the group's products (C7515).
+        tile_scores(s_next, smem, q_desc, k_desc, next_k, side)
+        wgmma_commit()
+        next_turn(wg, it, ntiles)
+        softmax_scores(s, m_i, l_i, alpha, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k, left,
+                       right, scale_log2, bh, full, mod, slot)
+        wgmma_wait0()  # O and P are no longer read by the tensor cores, S_{it+1} is written
+        if ahead:
+            release(smem, base + K_EMPTY + next_k * BARRIER_ELEMENTS, ctid)
+        release(smem, base + V_EMPTY + v_stage * BARRIER_ELEMENTS, ctid)
+        rescale_o(acc, alpha)
+        pack(p, s)
+        next_v, next_v_phase = next_stage(v_stage, v_phase)
+        return next_k, next_k_phase, next_v, next_v_phase
+
     def attention_forward_wgmma_ws(q, k, v, out, lse, scale_log2, left, right, vec, maps, mod):
         # q, out: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v: (batch, seqlen_k, nheads_kv, headdim)
         # lse: (batch, nheads, seqlen_q)
@@ -336,53 +397,82 @@ def build(D, tiles, storage, mods=NONE):
             if PINGPONG and wg == CONSUMERS - 1:  # the first warpgroup takes the first turn
                 named_barrier_arrive(TURN, TURN_THREADS)
 
-            # The first tile: its scores alone (no P V yet), then its softmax. A block mask's table is read before
-            # the waits, whose asm orders memory: read after them, each load's latency stood between a tile's S
-            # and its softmax.
-            tile = order(0, row_start, n_base, ntiles, seqlen_q, seqlen_k)
-            n_start, full, slot = (tile_start(mod, b, h, row_start, n_base, tile), tile_full(mod, b, h, row_start, tile),
-                                   tile_slot(mod, b, h, row_start, tile))
+            # The first tile: its scores alone (no P V yet; with scores_ahead the second tile's too), then its
+            # softmax. A block mask's table is read before the waits, whose asm orders memory: read after them, each
+            # load's latency stood between a tile's S and its softmax.
+            n_start, full, slot = tile_info(0, mod, b, h, row_start, n_base, ntiles, seqlen_q, seqlen_k)
             wait(smem, base + Q_FULL, 0)
             stage, phase = types.int32(0), types.int32(0)  # K's ring position of the tile (V's a tile behind)
             take(smem, base, K_FULL, stage, phase)
-            my_turn(wg)
+            s_next = cuda.local.array((NT, 4), types.float32)  # with scores_ahead, the next tile's S
+            second, second_phase = next_stage(stage, phase)
             side = side_of(row_start + wg * 64, n_start, seqlen_q, seqlen_k)
+            if AHEAD:
+                side_next = side_of(row_start + wg * 64, tile_info(min(1, ntiles - 1), mod, b, h, row_start, n_base,
+                                                                   ntiles, seqlen_q, seqlen_k)[0], seqlen_q, seqlen_k)
+                if ntiles > 1:
+                    take(smem, base, K_FULL, second, second_phase)
+            my_turn(wg)
             wgmma_fence()
             tile_scores(s, smem, q_desc, k_desc, stage, side)
             wgmma_commit()
+            if AHEAD:  # a single tile's too (`step_ahead`)
+                tile_scores(s_next, smem, q_desc, k_desc, second, side_next)
+                wgmma_commit()
             next_turn(wg, 0, ntiles)
-            wgmma_wait0()
+            if AHEAD:
+                wgmma_wait1()  # the second tile's S runs under the first's softmax
+            else:
+                wgmma_wait0()
             release(smem, base + K_EMPTY, ctid)
             softmax_scores(s, m_i, l_i, alpha, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q, seqlen_k,
                            left, right, scale_log2, bh, full, mod, slot)
+            if AHEAD:
+                wgmma_wait0()
+                if ntiles > 1:
+                    release(smem, base + K_EMPTY + second * BARRIER_ELEMENTS, ctid)
             rescale_o(acc, alpha)
             pack(p, s)
 
-            # Steady state, with no branch around a wgmma (see v3).
-            for it in range(1, ntiles):
-                tile = order(it, row_start, n_base, ntiles, seqlen_q, seqlen_k)
-                n_start, full, slot = (tile_start(mod, b, h, row_start, n_base, tile),
-                                       tile_full(mod, b, h, row_start, tile), tile_slot(mod, b, h, row_start, tile))
-                side = side_of(row_start + wg * 64, n_start, seqlen_q, seqlen_k)
-                v_stage, v_phase = stage, phase
-                stage, phase = next_stage(stage, phase)
-                take(smem, base, K_FULL, stage, phase)
-                take(smem, base, V_FULL, v_stage, v_phase)
-                my_turn(wg)
-                wgmma_fence()  # S, P and O were last written by ordinary instructions
-                tile_scores(s, smem, q_desc, k_desc, stage, side)
-                wgmma_commit()
-                weigh(acc, p, smem, advance(v_desc, 2 * v_stage * TILE_N), ones_desc)
-                wgmma_commit()
-                next_turn(wg, it, ntiles)
-                wgmma_wait1()  # S_it is done; P_{it-1} V_{it-1} may still run under the softmax below
-                release(smem, base + K_EMPTY + stage * BARRIER_ELEMENTS, ctid)
-                softmax_scores(s, m_i, l_i, alpha, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q,
-                               seqlen_k, left, right, scale_log2, bh, full, mod, slot)
-                wgmma_wait0()  # O and P are no longer read by the tensor cores
-                release(smem, base + V_EMPTY + v_stage * BARRIER_ELEMENTS, ctid)
-                rescale_o(acc, alpha)
-                pack(p, s)
+            if AHEAD:
+                # Two tiles a pass, their S in the two register sets in turn (an array chosen at run time would live
+                # in local memory).
+                k_stage, k_phase, v_stage, v_phase = second, second_phase, types.int32(0), types.int32(0)
+                for it in range(1, ntiles, 2):
+                    k_stage, k_phase, v_stage, v_phase = step_ahead(
+                        it, s_next, s, acc, p, m_i, l_i, alpha, smem, base, q_desc, k_desc, v_desc, ones_desc, k_stage,
+                        k_phase, v_stage, v_phase, wg, ctid, ntiles, row_start, row_end, n_base, seqlen_q, seqlen_k,
+                        mod, b, h, warp_row, g, t, left, right, scale_log2, bh)
+                    if it + 1 < ntiles:
+                        k_stage, k_phase, v_stage, v_phase = step_ahead(
+                            it + 1, s, s_next, acc, p, m_i, l_i, alpha, smem, base, q_desc, k_desc, v_desc, ones_desc,
+                            k_stage, k_phase, v_stage, v_phase, wg, ctid, ntiles, row_start, row_end, n_base, seqlen_q,
+                            seqlen_k, mod, b, h, warp_row, g, t, left, right, scale_log2, bh)
+                stage, phase = v_stage, v_phase  # the last tile's V
+            else:
+                # Steady state, with no branch around a wgmma (see v3).
+                for it in range(1, ntiles):
+                    n_start, full, slot = tile_info(it, mod, b, h, row_start, n_base, ntiles, seqlen_q, seqlen_k)
+                    side = side_of(row_start + wg * 64, n_start, seqlen_q, seqlen_k)
+                    v_stage, v_phase = stage, phase
+                    stage, phase = next_stage(stage, phase)
+                    take(smem, base, K_FULL, stage, phase)
+                    take(smem, base, V_FULL, v_stage, v_phase)
+                    my_turn(wg)
+                    wgmma_fence()  # S, P and O were last written by ordinary instructions
+                    tile_scores(s, smem, q_desc, k_desc, stage, side)
+                    wgmma_commit()
+                    weigh(acc, p, smem, advance(v_desc, 2 * v_stage * TILE_N), ones_desc)
+                    wgmma_commit()
+                    next_turn(wg, it, ntiles)
+                    wgmma_wait1()  # S_it is done; P_{it-1} V_{it-1} may still run under the softmax below
+                    release(smem, base + K_EMPTY + stage * BARRIER_ELEMENTS, ctid)
+                    softmax_scores(s, m_i, l_i, alpha, b, h, warp_row, g, t, n_start, row_start, row_end, seqlen_q,
+                                   seqlen_k, left, right, scale_log2, bh, full, mod, slot)
+                    wgmma_wait0()  # O and P are no longer read by the tensor cores
+                    release(smem, base + V_EMPTY + v_stage * BARRIER_ELEMENTS, ctid)
+                    rescale_o(acc, alpha)
+                    pack(p, s)
 
             # The last tile's P V.
             take(smem, base, V_FULL, stage, phase)
@@ -401,3 +491,6 @@ def build(D, tiles, storage, mods=NONE):
             write_lse(lse, b, h, warp_row, g, t, m_i, l_i, scale_log2, bh)
 
     return attention_forward_wgmma_ws, TENSOR_CORE_FORWARD + (types.int64, kernel_type(mods, types.float32))
+
+
+build.min_blocks = min_blocks
