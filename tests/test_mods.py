@@ -70,6 +70,8 @@ def modifications(name, seqlen_q, seqlen_k, batch=BATCH, nheads=NHEADS, seed=0):
         bias = rng.standard_normal((nheads, 2 * max(seqlen_q, seqlen_k))).astype(np.float32)
         docs = np.zeros((batch, 1), np.int32)
         return dict(score_mod=relative_bias, score_mod_grad=relative_bias_grad, mod_args=(bias, docs, docs))
+    if name == "softcap alone":  # its own forward plans (`tiling.WGMMA_SOFTCAP_TILES`)
+        return dict(softcap=1.5)
     if name == "prefix LM, softcap, temperature":
         prefix = rng.integers(1, seqlen_k, batch).astype(np.int64)
         temperature = rng.uniform(0.5, 2.0, nheads).astype(np.float32)

@@ -120,12 +120,19 @@ def test_each_sequence_equals_its_own_problem(family, name, causal, arrays, pois
     check_sequences(cases, results, cu, arrays[0], backward)
 
 
-@pytest.mark.parametrize("family", ["wgmma v3", "wgmma v5"])
+# v5's forward whose consumers issue each tile's S a tile ahead (softcap alone's plan at headdim 128), K's copies two
+# tiles ahead of V's
+AHEAD = "wgmma v5, scores ahead"
+PACKED_FAMILIES = dict(FAMILIES, **{AHEAD: ("float16", tiling.WgmmaTiles(64, 16, 1, producer=True, tma=True,
+                                                                         scores_ahead=True))})
+
+
+@pytest.mark.parametrize("family", ["wgmma v3", "wgmma v5", AHEAD])
 def test_a_sequence_never_reads_the_next_ones_values(family, arrays, poisoned):
     """Sequence 0's last tiles reach into the next sequences' rows (v5's tensor maps span the packed operands):
     an inf in any of their q, k, v or dout must not reach sequence 0's results, where zero probabilities or
     dS times it would be NaN. v3's forward runs with mma.sync's backward (v3's takes no packed sequences)."""
-    dtype, tiles = FAMILIES[family]
+    dtype, tiles = PACKED_FAMILIES[family]
     cases, (q, k, v, dout), cu, _ = packed_problem(dtype, None, False)
     assert cu[0][1] % 16 and cu[1][1] % 16, "sequence 0 must end inside its query and key tiles"
     for x, at in ((q, 0), (k, 1), (v, 1), (dout, 0)):
@@ -162,6 +169,19 @@ def test_each_sequence_equals_its_own_problem_at_real_sizes(family, name, arrays
     cases, results, cu = run(dtype, name, name == "softcap, ALiBi", *arrays, tiles=tiles, backward=backward,
                              seqlens_q=seqlens_q, seqlens_k=seqlens_k, headdim=headdim)
     check_sequences(cases, results, cu, arrays[0], backward)
+
+
+@pytest.mark.gpu
+def test_softcap_alone_over_packed_sequences_at_real_sizes(arrays, poisoned):
+    """softcap alone's own forward plans over many packed sequences of odd lengths, causal: at headdim 128 each tile's
+    S issued a tile ahead (`tiling.WGMMA_SOFTCAP_TILES`), at 64 part of ex2 on the FMA pipe."""
+    rng = np.random.default_rng(23)
+    seqlens_q = tuple(int(n) for n in rng.integers(1, 700, 9)) + (0, 1500)
+    seqlens_k = tuple(int(n) for n in rng.integers(1, 700, 9)) + (300, 1200)
+    for headdim in (64, 128):
+        cases, results, cu = run("float16", "softcap alone", True, *arrays, backward=True, seqlens_q=seqlens_q,
+                                 seqlens_k=seqlens_k, headdim=headdim)
+        check_sequences(cases, results, cu, arrays[0], backward=True)
 
 
 def _packed(dtype="float16"):
