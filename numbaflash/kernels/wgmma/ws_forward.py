@@ -128,8 +128,9 @@ def build(D, tiles, storage, mods=NONE):
     FULL_ARRIVALS = 1 if TMA else PRODUCER  # one thread issues the bulk copies; every copier arrives otherwise
     stage_q, stage_kv = stager(D, BLOCK_M, PRODUCER), stager(D, BLOCK_N, PRODUCER)
     COLUMNS = tiles.alibi_columns and mods.alibi_alone  # ALiBi's column term from the tensor cores
-    # with scores_ahead a tile's S is written between the same group's P V and its old values' last reader: its
-    # first k-step takes no input, or the zeros written for it serialized the group's wgmma (ptxas 13.0, C7515)
+    # with scores_ahead the first k-step of a tile's S takes no input: its register set holds the dead scores of two
+    # tiles before. That is the build timed (`tiling.WGMMA_SOFTCAP_TILES`); without it ptxas 13.0 emits the same
+    # instructions but 8, in another register allocation.
     scores, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage, fresh=AHEAD and not COLUMNS, onto=COLUMNS)
     PAIRS = tiles.exp2_pairs(storage)
     pack = pack_p(BLOCK_N, storage, tiles.exp2_fma if PAIRS else 0)
