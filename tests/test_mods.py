@@ -1101,7 +1101,7 @@ def test_softcap_alone_at_headdim_64_takes_part_of_its_exponentials_from_the_fma
 def test_softcap_alone_at_headdim_128_issues_each_tiles_scores_ahead():
     """At headdim 128 softcap alone's forward plans `tiling.WGMMA_SOFTCAP_TILES` (each tile's S issued a tile ahead,
     `wgmma.ws_forward`) and says why, with or without the LSE and in bfloat16 with its bound; the plain forward,
-    headdim 64, softcap with ALiBi and the backward do not."""
+    headdim 64, softcap with ALiBi and the backward do not; only v5 has it."""
     from numbaflash.mods import Mods
 
     hopper = tiling.Device("H100 (planned)", (9, 0), 132, 227 * 1024)
@@ -1118,3 +1118,5 @@ def test_softcap_alone_at_headdim_128_issues_each_tiles_scores_ahead():
     for other in (plan(Mods()), plan(Mods(softcap=True), headdim=64), plan(Mods(softcap=True, alibi=True)),
                   plan(Mods(softcap=True), backward=True)):
         assert not getattr(other.tiles, "scores_ahead", False) and tiling.SCORES_AHEAD_REASON not in other.reason
+    with pytest.raises(ValueError, match="scores_ahead.*are v5's"):
+        tiling.WgmmaTiles(64, 16, 1, producer=True, scores_ahead=True)

@@ -157,14 +157,21 @@ GPU_FAMILIES = {"simt": ("float32", 64, None), "mma": ("float16", 256, None), "w
                 "wgmma v5 (d64)": ("bfloat16", 64, None), "wgmma v3": ("float16", 128, tiling.WGMMA_CP_ASYNC_TILES[128])}
 
 
+def odd_lengths(seed):
+    """Query and key lengths of 11 packed sequences at real sizes: 9 random ones, then one of no query rows and a
+    long one."""
+    rng = np.random.default_rng(seed)
+    seqlens_q = tuple(int(n) for n in rng.integers(1, 700, 9)) + (0, 1500)
+    seqlens_k = tuple(int(n) for n in rng.integers(1, 700, 9)) + (300, 1200)
+    return seqlens_q, seqlens_k
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", GPU_FAMILIES)
 @pytest.mark.parametrize("name", ["softcap, ALiBi", "prefix LM, softcap, temperature"])
 def test_each_sequence_equals_its_own_problem_at_real_sizes(family, name, arrays, poisoned):
     dtype, headdim, tiles = GPU_FAMILIES[family]
-    rng = np.random.default_rng(22)
-    seqlens_q = tuple(int(n) for n in rng.integers(1, 700, 9)) + (0, 1500)
-    seqlens_k = tuple(int(n) for n in rng.integers(1, 700, 9)) + (300, 1200)
+    seqlens_q, seqlens_k = odd_lengths(22)
     backward = headdim <= 128 or family == "simt"
     cases, results, cu = run(dtype, name, name == "softcap, ALiBi", *arrays, tiles=tiles, backward=backward,
                              seqlens_q=seqlens_q, seqlens_k=seqlens_k, headdim=headdim)
@@ -175,9 +182,7 @@ def test_each_sequence_equals_its_own_problem_at_real_sizes(family, name, arrays
 def test_softcap_alone_over_packed_sequences_at_real_sizes(arrays, poisoned):
     """softcap alone's own forward plans over many packed sequences of odd lengths, causal: at headdim 128 each tile's
     S issued a tile ahead (`tiling.WGMMA_SOFTCAP_TILES`), at 64 part of ex2 on the FMA pipe."""
-    rng = np.random.default_rng(23)
-    seqlens_q = tuple(int(n) for n in rng.integers(1, 700, 9)) + (0, 1500)
-    seqlens_k = tuple(int(n) for n in rng.integers(1, 700, 9)) + (300, 1200)
+    seqlens_q, seqlens_k = odd_lengths(23)
     for headdim in (64, 128):
         cases, results, cu = run("float16", "softcap alone", True, *arrays, backward=True, seqlens_q=seqlens_q,
                                  seqlens_k=seqlens_k, headdim=headdim)

@@ -296,6 +296,13 @@ def build(D, tiles, storage, mods=NONE):
                 tile_slot(mod, b, h, row_start, tile))
 
     @device_function
+    def side_after(it, wg, mod, b, h, row_start, n_base, ntiles, seqlen_q, seqlen_k):
+        # `side_of` the tile after ``it``, whose S ``scores_ahead`` issues with tile ``it``'s softmax (past the last
+        # tile the last's: that S is never read)
+        tile = order(min(it + 1, ntiles - 1), row_start, n_base, ntiles, seqlen_q, seqlen_k)
+        return side_of(row_start + wg * 64, tile_start(mod, b, h, row_start, n_base, tile), seqlen_q, seqlen_k)
+
+    @device_function
     def step_ahead(it, s, s_next, acc, p, m_i, l_i, alpha, smem, base, q_desc, k_desc, v_desc, ones_desc, k_stage,
                    k_phase, v_stage, v_phase, wg, ctid, ntiles, row_start, row_end, n_base, seqlen_q, seqlen_k, mod, b,
                    h, warp_row, g, t, left, right, scale_log2, bh):
@@ -307,8 +314,7 @@ def build(D, tiles, storage, mods=NONE):
         n_start, full, slot = tile_info(it, mod, b, h, row_start, n_base, ntiles, seqlen_q, seqlen_k)
         ahead = it + 1 < ntiles
         next_k, next_k_phase = next_stage(k_stage, k_phase)
-        side = side_of(row_start + wg * 64, tile_info(min(it + 1, ntiles - 1), mod, b, h, row_start, n_base, ntiles,
-                                                      seqlen_q, seqlen_k)[0], seqlen_q, seqlen_k)
+        side = side_after(it, wg, mod, b, h, row_start, n_base, ntiles, seqlen_q, seqlen_k)
         if ahead:
             take(smem, base, K_FULL, next_k, next_k_phase)
         take(smem, base, V_FULL, v_stage, v_phase)
@@ -409,8 +415,7 @@ def build(D, tiles, storage, mods=NONE):
             second, second_phase = next_stage(stage, phase)
             side = side_of(row_start + wg * 64, n_start, seqlen_q, seqlen_k)
             if AHEAD:
-                side_next = side_of(row_start + wg * 64, tile_info(min(1, ntiles - 1), mod, b, h, row_start, n_base,
-                                                                   ntiles, seqlen_q, seqlen_k)[0], seqlen_q, seqlen_k)
+                side_next = side_after(0, wg, mod, b, h, row_start, n_base, ntiles, seqlen_q, seqlen_k)
                 if ntiles > 1:
                     take(smem, base, K_FULL, second, second_phase)
             my_turn(wg)
