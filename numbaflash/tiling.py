@@ -129,7 +129,8 @@ class WgmmaTiles:
     beside P V (`wgmma.row_sums`) instead of the softmax's adds; with ``bounded_max`` (v5) a call with softcap alone
     takes softcap's bound for every row's maximum (`fixed_maximum`), other calls ignore it; with ``scores_ahead`` (v5
     forward) each consumer issues a key tile's S = Q K^T one tile early, into a second register set, so that it runs
-    under the softmax of the tile before it."""
+    under the softmax of the tile before it; with ``dq_deferred`` (v5 backward) the dQ pass issues each key tile's dQ +=
+    dS K after the next tile's S and dP, so that it runs under that tile's dS."""
 
     block_m: int
     block_n: int
@@ -144,6 +145,7 @@ class WgmmaTiles:
     row_sums: bool = False
     bounded_max: bool = False
     scores_ahead: bool = False
+    dq_deferred: bool = False
 
     def __post_init__(self):
         if self.block_m != 64 * self.warpgroups:
@@ -171,6 +173,10 @@ class WgmmaTiles:
         if self.scores_ahead and not self.tma:
             raise ValueError(f"a tile's scores issued ahead of the softmax before them (scores_ahead) are v5's "
                              f"(tma=True); got {self}")
+        if self.dq_deferred and not (self.tma and self.stages >= 3):
+            # its stage is released a tile later: with two the producer waited for each release (`WGMMA_BACKWARD_TILES`)
+            raise ValueError(f"the dQ pass's deferred dQ += dS K (dq_deferred) is v5's (tma=True), through a ring of 3 "
+                             f"or 4 stages; got {self}")
 
     @property
     def threads(self):
@@ -395,10 +401,18 @@ SIMULATOR_WGMMA_TILES = WgmmaTiles(64, 16, 1)
 # stages ran no faster than two, 32-row streamed tiles slower (0.82-0.84x at 128), and 128-row ones spill
 # at 64 (dK/dV). v3 (`wgmma.backward`, no plan picks it): one warpgroup of square 64 x 64 blocks copying
 # with cp.async ran 0.42-0.52x, below mma.sync, with the tensor cores idle while it formed P and dS.
-WGMMA_BACKWARD_TILES = {64: WgmmaTiles(128, 64, 2, producer=True, tma=True),
-                        128: WgmmaTiles(128, 64, 2, producer=True, tma=True)}
+# The dQ pass issues each tile's dQ += dS K after the next tile's S and dP (``dq_deferred``), through three stages,
+# since the stage it reads is released a tile later: the backward's time over the two stages without it (H100,
+# fp16, N = 16384, 16 heads, three interleaved rounds, .bench/pdp.py): on the final code plain 0.973 at headdim 64
+# and 0.979 at 128, softcap 0.993 and 0.964; in three runs before, plain 0.967-0.973 and 0.972-0.978, softcap
+# 0.996-0.999 and 0.968-0.972, ALiBi 0.995 and 0.972. With two stages the producer waited for each release: 1.13x
+# and 1.17x the plain backward's time. Not kept: ping-pong turns of the two dQ consumers on top (0.960-0.998, within
+# the runs' spread), four stages (0.964-0.980), P formed while dP runs without the deferral (0.993-1.021), and a
+# quarter or half of the dQ pass's exponentials on the FMA pipe with softcap (1.000-1.015 at 64).
+WGMMA_BACKWARD_TILES = {64: WgmmaTiles(128, 64, 2, 3, producer=True, tma=True, dq_deferred=True),
+                        128: WgmmaTiles(128, 64, 2, 3, producer=True, tma=True, dq_deferred=True)}
 WGMMA_CP_ASYNC_BACKWARD_TILES = {64: WgmmaTiles(64, 64, 1), 128: WgmmaTiles(64, 64, 1)}
-SIMULATOR_WGMMA_BACKWARD_TILES = WgmmaTiles(64, 16, 1, producer=True, tma=True)
+SIMULATOR_WGMMA_BACKWARD_TILES = WgmmaTiles(64, 16, 1, 3, producer=True, tma=True, dq_deferred=True)
 # deterministic=False with v5's tiles asked for (``tiles=``): v5's dK/dV kernel also forms dQ = dS K from its
 # dS^T, stored in shared memory as rows of this many query columns (one swizzle atom, wgmma's M), and adds it
 # to a float32 dQ with atomics, at the padded head dims below (at 128 its dK/dV kernel spilled 168 bytes and
@@ -552,7 +566,9 @@ class Plan:
             owner = (f"{t.warpgroups} {'consumer ' if t.producer else ''}warpgroup(s), each owning 64 keys (dK/dV) or "
                      f"64 query rows (dQ), streaming {t.block_n}-row tiles; wgmma m64n{t.block_n}k16 (S and dP, "
                      f"operands in shared memory) and m64n{self.headdim_padded}k16 (dV, dK, dQ, P and dS from "
-                     f"registers), float32 accumulators; streamed tiles in {copies}, 128-byte swizzle")
+                     f"registers), float32 accumulators; streamed tiles in {copies}, 128-byte swizzle"
+                     + ("; the dQ pass issues each tile's dQ += dS K after the next tile's S and dP, so that it runs "
+                        "under that tile's dS" if t.dq_deferred else ""))
         elif isinstance(t, WgmmaTiles):
             copies = ("a producer warpgroup's bulk tensor copies (TMA) on mbarriers" if t.tma else
                       "a producer warpgroup's cp.async on mbarriers" if t.producer else "every thread's cp.async")

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from numbaflash._device import gpu_count  # noqa: E402  (needs no numba)
 
 QUIET = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.function_scoped_fixture]
-settings.register_profile("ci", max_examples=12, deadline=None, derandomize=True, print_blob=True,
+settings.register_profile("ci", max_examples=8, deadline=None, derandomize=True, print_blob=True,
                           suppress_health_check=QUIET)
 settings.register_profile("gpu", max_examples=100, deadline=None, print_blob=True, suppress_health_check=QUIET)
 # For a GPU run on a device-time budget: pytest -m gpu --hypothesis-profile gpu-quick

@@ -58,6 +58,32 @@ def test_wgmma_backward_matches_reference(case, tiles, arrays, poisoned):
                    *arrays)
 
 
+@pytest.mark.parametrize("case", [Case(1, 20, 12, 1, 1, 16, "float16", causal=True, seed=24),
+                                  Case(1, 24, 40, 2, 1, 16, "bfloat16", window_size=(20, 2), seed=25,
+                                       modifications=dict(softcap=1.5))])
+def test_the_deferred_dq_pass_equals_the_one_that_waits_for_each_dq(case, arrays, mode):
+    """v5's dQ pass issuing each key tile's dQ += dS K after the next tile's S and dP (`WgmmaTiles.dq_deferred`, the
+    planned tiles; every v5 backward test runs it) gives the dQ of the pass that waits for it at every tile, bit for
+    bit (the same products in the same order): one key tile, and several with rows that see no key (causal, more
+    queries than keys), a window over GQA with softcap; and it needs a ring of three stages or more, on v5."""
+    deferred = tiling.SIMULATOR_WGMMA_BACKWARD_TILES if mode == "simulator" else tiling.WGMMA_BACKWARD_TILES[64]
+    shape = (case.batch, case.nheads, case.nheads_kv, case.seqlen_q, case.seqlen_k, case.headdim, case.dtype)
+    assert deferred.dq_deferred and "dQ += dS K after the next tile's S and dP" in tiling.make_plan(
+        *shape, backward=True, tiles=deferred).describe()
+    to_device, to_host = arrays
+    q, k, v, dout = (to_device(x) for x in inputs(case, extra=[(case.batch, case.seqlen_q, case.nheads, case.headdim)]))
+    options = case.options(to_device)
+    out, lse = numbaflash.attention(q, k, v, return_lse=True, **options)
+    dq, dq_waiting = (to_host(numbaflash.attention_backward(dout, q, k, v, out, lse, plan=tiling.make_plan(
+        *shape, backward=True, tiles=tiles), **options)[0])
+        for tiles in (deferred, dataclasses.replace(deferred, dq_deferred=False)))
+    assert np.isfinite(dq.astype(np.float32)).all()
+    assert np.array_equal(dq.view(np.uint16), dq_waiting.view(np.uint16))
+    for refused in (dict(stages=2), dict(tma=False, producer=False, stages=2)):
+        with pytest.raises(ValueError, match="dq_deferred"):
+            dataclasses.replace(deferred, **refused)
+
+
 ATOMIC_TILES = tiling.WgmmaTiles(64, 64, 1, producer=True, tma=True)  # v5's smallest tiles that stream 64 rows
 
 

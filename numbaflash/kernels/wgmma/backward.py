@@ -114,14 +114,14 @@ def dkdv_step(D, tiles, storage, mods=NONE):
     return operands, step
 
 
-def dq_step(D, tiles, storage, mods=NONE):
-    """``(operands, step)`` of the dQ kernels (v3 and v5): ``operands(address, q_at, do_at, k_at, v_at, wg)``
-    gives ``(q, do, k, v, k_mn)`` (warpgroup ``wg``'s 64 rows of Q and dO; the first stage of the streamed K,
-    K-major and MN-major, and V); ``step(smem, descs, at, ...)`` runs one streamed key tile ``at`` bytes into
-    the stages: S = Q K^T and dP = dO V^T, dS, dQ += dS K."""
+def dq_parts(D, tiles, storage, mods=NONE):
+    """``(operands, scores, form_ds, add_dq)`` of the dQ kernels (v3 and v5): ``operands(address, q_at, do_at, k_at,
+    v_at, wg)`` gives ``(q, do, k, v, k_mn)`` (warpgroup ``wg``'s 64 rows of Q and dO; the first stage of the streamed
+    K, K-major and MN-major, and V); for the streamed key tile ``at`` bytes into the stages, ``scores`` issues S = Q
+    K^T and dP = dO V^T (a group each), ``form_ds`` turns the finished S and dP into dS in ``dp``, and ``add_dq`` issues
+    dQ += dS K from dS rounded in ``d_s``."""
     BLOCK_M, BLOCK_N = tiles.block_m, tiles.block_n
-    scores, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage)
-    pack = pack_p(BLOCK_N, storage)
+    products_of, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage)
     _, ds = row_steps(1, BLOCK_N // 8, mods)
 
     @device_function
@@ -132,23 +132,47 @@ def dq_step(D, tiles, storage, mods=NONE):
                 operand(address, k_at, BLOCK_N, True))
 
     @device_function
-    def step(smem, descs, at, s, dp, d_s, dq_acc, lse2, dsum, lo_r, hi_r, row_start, row_end, warp_row, n_start, g, t,
-             seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh, block_full, mod, slot):
-        q_desc, do_desc, k_desc, v_desc, k_mn = descs
+    def scores(smem, descs, at, s, dp):
+        q_desc, do_desc, k_desc, v_desc, _ = descs
         wgmma_fence()
-        scores(s, smem, q_desc, advance(k_desc, at))  # S = Q K^T
+        products_of(s, smem, q_desc, advance(k_desc, at))  # S = Q K^T
         wgmma_commit()
-        scores(dp, smem, do_desc, advance(v_desc, at))  # dP = dO V^T
+        products_of(dp, smem, do_desc, advance(v_desc, at))  # dP = dO V^T
         wgmma_commit()
-        wgmma_wait0()
+
+    @device_function
+    def form_ds(s, dp, lse2, dsum, lo_r, hi_r, row_start, row_end, warp_row, n_start, g, t, seqlen_q, seqlen_k, left,
+                right, scale_log2, b, h, bh, block_full, mod, slot):
         # a block mask's full tile is whole to the causal/window mask too (`BlockMask.unmasked`): no test
         full = block_full or masks.tile_is_full(row_start, row_end, n_start, n_start + BLOCK_N, seqlen_q, seqlen_k,
                                                 left, right)
         ds(s, dp, lse2, dsum, lo_r, hi_r, full, warp_row, n_start, g, t, seqlen_q, seqlen_k, scale_log2, b, h, bh,
            block_full, mod, slot, row_start, 0)
+
+    @device_function
+    def add_dq(smem, descs, at, d_s, dq_acc):
+        accumulate(dq_acc, d_s, smem, advance(descs[4], at))  # dQ += dS K
+
+    return operands, scores, form_ds, add_dq
+
+
+def dq_step(D, tiles, storage, mods=NONE):
+    """``(operands, step)`` of the dQ kernels (`dq_parts`' ``operands``); ``step(smem, descs, at, ...)`` runs one
+    streamed key tile ``at`` bytes into the stages: S = Q K^T and dP = dO V^T, dS, dQ += dS K, and returns with
+    every product done."""
+    operands, scores, form_ds, add_dq = dq_parts(D, tiles, storage, mods)
+    pack = pack_p(tiles.block_n, storage)
+
+    @device_function
+    def step(smem, descs, at, s, dp, d_s, dq_acc, lse2, dsum, lo_r, hi_r, row_start, row_end, warp_row, n_start, g, t,
+             seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh, block_full, mod, slot):
+        scores(smem, descs, at, s, dp)
+        wgmma_wait0()
+        form_ds(s, dp, lse2, dsum, lo_r, hi_r, row_start, row_end, warp_row, n_start, g, t, seqlen_q, seqlen_k, left,
+                right, scale_log2, b, h, bh, block_full, mod, slot)
         pack(d_s, dp)
         wgmma_fence()
-        accumulate(dq_acc, d_s, smem, advance(k_mn, at))  # dQ += dS K
+        add_dq(smem, descs, at, d_s, dq_acc)
         wgmma_commit()
         wgmma_wait0()
 

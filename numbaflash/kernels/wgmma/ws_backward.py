@@ -18,7 +18,10 @@ dS on the CUDA cores the tensor cores run the other's products.
   released by its consumers' threads arriving at a named barrier (one per consumer and stage) where the
   producer's warp waits, in place of an empty mbarrier: see `_build_key_pass`.
 * ``dq``: one block per (query block, head, batch element); Q and dO once, then K and V tiles through
-  the ring: S = Q K^T, dP = dO V^T, dS, dQ += dS K, the rows' LSE and D in registers.
+  the ring: S = Q K^T, dP = dO V^T, dS, dQ += dS K, the rows' LSE and D in registers. With
+  ``tiles.dq_deferred`` (the planned tiles) a tile's dQ += dS K is issued after the next tile's S and dP and
+  runs under that tile's dS; its stage is released a tile later, so the ring has three stages
+  (`tiling.WGMMA_BACKWARD_TILES` keeps the runs).
 * ``dkdv_dq`` (``deterministic=False``, in place of both): the ``dkdv`` kernel whose consumers also store
   their dS^T in shared memory and, after a barrier between them, form dQ = dS K for the tile (wgmma,
   both operands MN-major) and add it to a float32 dQ with atomics (`dq_accumulator`); a row-by-row pass
@@ -43,16 +46,16 @@ from ..fragments import fill, fragment_writer
 from ..gradients import row_steps
 from ..intrinsics import (bulk_load, device_function, fence_proxy_async, mbarrier_arrive_expect_tx, mbarrier_init,
                          named_barrier_arrive, named_barrier_sync, red_add2, shared_address, tensormap_acquire,
-                         wgmma_commit, wgmma_fence, wgmma_ss, wgmma_wait0)
+                         wgmma_commit, wgmma_fence, wgmma_ss, wgmma_wait0, wgmma_wait1)
 from ..key_tiles import key_tiles, verdict_slot
 from ..mods import modifiers
 from ..query_tiles import query_tiles
 from . import tensor_maps
-from .backward import dkdv_step, dq_step
+from .backward import dkdv_step, dq_parts, dq_step
 from ..sequences import sequence_starts, sequences, stats_tile_rows
 from .pipeline import (BARRIER_ELEMENTS, PRODUCER, bulk_copier, check_registers, hand_over, register_moves, release,
                        tail_zeroer, wait)
-from .tiles import ALIGN, ATOM, advance, aligned_base, operand
+from .tiles import ALIGN, ATOM, advance, aligned_base, operand, pack_p
 
 # Registers per thread after setmaxnreg (see `pipeline.REGISTERS`): when its warp also copied LSE and D through
 # registers, the dK/dV producer spilled 8 bytes with 24 (ptxas, sm_90a, headdim 64); with 40, none.
@@ -405,9 +408,19 @@ def build_dq(D, tiles, storage, mods=NONE):
     copy_pair, zero_pair = pair_copier(D), pair_zeroer(D)
     TILE = BLOCK_N * D  # elements of one K or V stage
     operands, step = dq_step(D, tiles, storage, mods)
+    _, scores, form_ds, add_dq = dq_parts(D, tiles, storage, mods)
+    pack = pack_p(BLOCK_N, storage)
+    DEFERRED = tiles.dq_deferred
     rows, _ = row_steps(1, NT, mods, staged=True)
     tile_count, tile_start, tile_full = key_tiles(mods, BLOCK_M, BLOCK_N)
     tile_slot = verdict_slot(mods, BLOCK_M)
+
+    @device_function
+    def tile_info(mod, b, h, row_start, n_base, it):
+        # key tile it's first key, and a block mask's full bit and verdicts' slot, read before the tile's wait (the
+        # forward's reason)
+        return (tile_start(mod, b, h, row_start, n_base, it), tile_full(mod, b, h, row_start, it),
+                tile_slot(mod, b, h, row_start, it))
     modifier = modifiers(mods, types.float32, fast=True)
     prepare, natural = modifier.prepare, modifier.natural
     write_grad = fragment_writer(D, storage)
@@ -494,16 +507,45 @@ def build_dq(D, tiles, storage, mods=NONE):
             d_s = cuda.local.array((PS, 4), types.uint32)  # dS rounded to 16 bits: the A operand of dQ += dS K
             wait(smem, base + QDO_FULL, 0)
 
-            for it in range(ntiles):
-                # A block mask's table is read before the wait (the forward's reason)
-                n_start, full, slot = (tile_start(mod, b, h, row_start, n_base, it), tile_full(mod, b, h, row_start, it),
-                                       tile_slot(mod, b, h, row_start, it))
-                stage = it % STAGES
-                at = 2 * stage * TILE  # bytes into the rings
-                wait(smem, base + FULL + stage * BARRIER_ELEMENTS, (it // STAGES) & 1)
-                step(smem, descs, at, s, dp, d_s, dq_acc, lse2, dsum, lo_r, hi_r, row_start, row_end, warp_row, n_start,
-                     g, t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh, full, mod, slot)
-                release(smem, base + EMPTY + stage * BARRIER_ELEMENTS, ctid)
+            if DEFERRED:
+                # Tile it's dQ += dS K is issued after tile it + 1's S and dP, and runs under that tile's dS; its
+                # stage is released once it is done. Nothing is in flight across the loop's edge.
+                n_start, full, slot = tile_info(mod, b, h, row_start, n_base, 0)
+                wait(smem, base + FULL, 0)
+                scores(smem, descs, 0, s, dp)
+                wgmma_wait0()
+                form_ds(s, dp, lse2, dsum, lo_r, hi_r, row_start, row_end, warp_row, n_start, g, t, seqlen_q, seqlen_k,
+                        left, right, scale_log2, b, h, bh, full, mod, slot)
+                pack(d_s, dp)
+                last = 0  # the stage of the tile whose dS is in d_s
+                for it in range(1, ntiles):
+                    n_start, full, slot = tile_info(mod, b, h, row_start, n_base, it)
+                    stage = it % STAGES
+                    wait(smem, base + FULL + stage * BARRIER_ELEMENTS, (it // STAGES) & 1)
+                    scores(smem, descs, 2 * stage * TILE, s, dp)
+                    add_dq(smem, descs, 2 * last * TILE, d_s, dq_acc)
+                    wgmma_commit()
+                    wgmma_wait1()  # S and dP are done; the last tile's dQ may still run under dS below
+                    form_ds(s, dp, lse2, dsum, lo_r, hi_r, row_start, row_end, warp_row, n_start, g, t, seqlen_q,
+                            seqlen_k, left, right, scale_log2, b, h, bh, full, mod, slot)
+                    wgmma_wait0()  # d_s and the last tile's K are no longer read
+                    release(smem, base + EMPTY + last * BARRIER_ELEMENTS, ctid)
+                    pack(d_s, dp)
+                    last = stage
+                wgmma_fence()
+                add_dq(smem, descs, 2 * last * TILE, d_s, dq_acc)
+                wgmma_commit()
+                wgmma_wait0()
+                release(smem, base + EMPTY + last * BARRIER_ELEMENTS, ctid)
+            else:
+                for it in range(ntiles):
+                    n_start, full, slot = tile_info(mod, b, h, row_start, n_base, it)
+                    stage = it % STAGES
+                    at = 2 * stage * TILE  # bytes into the rings
+                    wait(smem, base + FULL + stage * BARRIER_ELEMENTS, (it // STAGES) & 1)
+                    step(smem, descs, at, s, dp, d_s, dq_acc, lse2, dsum, lo_r, hi_r, row_start, row_end, warp_row,
+                         n_start, g, t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh, full, mod, slot)
+                    release(smem, base + EMPTY + stage * BARRIER_ELEMENTS, ctid)
 
         # dQ = scale dS K with scale = scale_log2 ln(2) (the scale argument with modifications); the rows past
         # seqlen_q are dropped.
