@@ -381,6 +381,8 @@ WGMMA_CP_ASYNC_TILES = {64: WgmmaTiles(128, 112, 2), 128: WgmmaTiles(128, 64, 2)
 # before a full tile was tested against nothing, the dense plan's tiles gained nothing forward (causal as a block mask
 # 1.355 -> 1.375 ms, 4 documents 0.424 -> 0.419) and 3% backward at most (H100, .bench/shared_cross.py).
 WGMMA_BLOCK_SPARSE_TILES = {64: WgmmaTiles(64, 128, 1, producer=True, tma=True, blocks_per_sm=2)}
+# Their dQ pass waits for each tile's dQ += dS K: the deferral of `WGMMA_BACKWARD_TILES` came later and was not timed
+# with these tiles (the simulator's block-mask backward tests run both dQ loops, these tiles' and the deferred ones).
 WGMMA_BLOCK_SPARSE_BACKWARD_TILES = {64: WgmmaTiles(64, 64, 1, producer=True, tma=True, blocks_per_sm=2)}
 # A block mask whose query blocks visit many key tiles pays each block's start and end over many tiles, and the dense
 # plan's tiles (three consumers taking turns) run those tiles faster than the shared blocks' one consumer: the forward
