@@ -115,11 +115,11 @@ def dkdv_step(D, tiles, storage, mods=NONE):
 
 
 def dq_parts(D, tiles, storage, mods=NONE):
-    """``(operands, scores, form_ds, add_dq)`` of the dQ kernels (v3 and v5): ``operands(address, q_at, do_at, k_at,
-    v_at, wg)`` gives ``(q, do, k, v, k_mn)`` (warpgroup ``wg``'s 64 rows of Q and dO; the first stage of the streamed
-    K, K-major and MN-major, and V); for the streamed key tile ``at`` bytes into the stages, ``scores`` issues S = Q
-    K^T and dP = dO V^T (a group each), ``form_ds`` turns the finished S and dP into dS in ``dp``, and ``add_dq`` issues
-    dQ += dS K from dS rounded in ``d_s``."""
+    """``(operands, scores, form_ds, add_dq, pack)`` of the dQ kernels (v3 and v5): ``operands(address, q_at, do_at,
+    k_at, v_at, wg)`` gives ``(q, do, k, v, k_mn)`` (warpgroup ``wg``'s 64 rows of Q and dO; the first stage of the
+    streamed K, K-major and MN-major, and V); for the streamed key tile ``at`` bytes into the stages, ``scores`` issues
+    S = Q K^T and dP = dO V^T (a group each), ``form_ds`` turns the finished S and dP into dS in ``dp``, ``pack(d_s,
+    dp)`` rounds it, and ``add_dq`` issues dQ += dS K from ``d_s``."""
     BLOCK_M, BLOCK_N = tiles.block_m, tiles.block_n
     products_of, accumulate = products(BLOCK_N, D, BLOCK_M, BLOCK_N, storage)
     _, ds = row_steps(1, BLOCK_N // 8, mods)
@@ -153,15 +153,14 @@ def dq_parts(D, tiles, storage, mods=NONE):
     def add_dq(smem, descs, at, d_s, dq_acc):
         accumulate(dq_acc, d_s, smem, advance(descs[4], at))  # dQ += dS K
 
-    return operands, scores, form_ds, add_dq
+    return operands, scores, form_ds, add_dq, pack_p(BLOCK_N, storage)
 
 
-def dq_step(D, tiles, storage, mods=NONE):
-    """``(operands, step)`` of the dQ kernels (`dq_parts`' ``operands``); ``step(smem, descs, at, ...)`` runs one
-    streamed key tile ``at`` bytes into the stages: S = Q K^T and dP = dO V^T, dS, dQ += dS K, and returns with
-    every product done."""
-    operands, scores, form_ds, add_dq = dq_parts(D, tiles, storage, mods)
-    pack = pack_p(tiles.block_n, storage)
+def dq_step(parts):
+    """``(operands, step)`` of the dQ kernels from their `dq_parts`; ``step(smem, descs, at, ...)`` runs one streamed
+    key tile ``at`` bytes into the stages: S = Q K^T and dP = dO V^T, dS, dQ += dS K, and returns with every product
+    done."""
+    operands, scores, form_ds, add_dq, pack = parts
 
     @device_function
     def step(smem, descs, at, s, dp, d_s, dq_acc, lse2, dsum, lo_r, hi_r, row_start, row_end, warp_row, n_start, g, t,
@@ -283,7 +282,7 @@ def build_dq(D, tiles, storage, mods=NONE):
     Q_AT, DO_AT, K_AT, V_AT, _ = layout_dq(D, tiles)
     TILE = BLOCK_N * D  # elements of one K or V stage
     stage_q, stage_kv = stager(D, BLOCK_M, THREADS), stager(D, BLOCK_N, THREADS)
-    operands, step = dq_step(D, tiles, storage, mods)
+    operands, step = dq_step(dq_parts(D, tiles, storage, mods))
     rows, _ = row_steps(1, NT, mods)
     tile_count, tile_start, tile_full = key_tiles(mods, BLOCK_M, BLOCK_N)
     tile_slot = verdict_slot(mods, BLOCK_M)

@@ -55,7 +55,7 @@ from .backward import dkdv_step, dq_parts, dq_step
 from ..sequences import sequence_starts, sequences, stats_tile_rows
 from .pipeline import (BARRIER_ELEMENTS, PRODUCER, bulk_copier, check_registers, hand_over, register_moves, release,
                        tail_zeroer, wait)
-from .tiles import ALIGN, ATOM, advance, aligned_base, operand, pack_p
+from .tiles import ALIGN, ATOM, advance, aligned_base, operand
 
 # Registers per thread after setmaxnreg (see `pipeline.REGISTERS`): when its warp also copied LSE and D through
 # registers, the dK/dV producer spilled 8 bytes with 24 (ptxas, sm_90a, headdim 64); with 40, none.
@@ -407,9 +407,9 @@ def build_dq(D, tiles, storage, mods=NONE):
     sequence = sequences(mods)
     copy_pair, zero_pair = pair_copier(D), pair_zeroer(D)
     TILE = BLOCK_N * D  # elements of one K or V stage
-    operands, step = dq_step(D, tiles, storage, mods)
-    _, scores, form_ds, add_dq = dq_parts(D, tiles, storage, mods)
-    pack = pack_p(BLOCK_N, storage)
+    parts = dq_parts(D, tiles, storage, mods)
+    _, scores, form_ds, add_dq, pack = parts
+    operands, step = dq_step(parts)
     DEFERRED = tiles.dq_deferred
     rows, _ = row_steps(1, NT, mods, staged=True)
     tile_count, tile_start, tile_full = key_tiles(mods, BLOCK_M, BLOCK_N)
