@@ -500,8 +500,10 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         deterministic: True (the default): no atomics, repeated calls return bitwise identical gradients.
             False (flash-attn's meaning) allows a backward whose dQ sums in a varying order: with v5's tiles
             asked for (``plan=``), the wgmma backward then forms dQ in its dK/dV kernel and adds it with
-            float32 atomics, which saves recomputing S and dP; a planned call runs the two deterministic
-            passes, which are faster (`explain(..., backward=True, deterministic=False)` says which runs).
+            float32 atomics, which saves recomputing S and dP; a planned call runs it with softcap (alone or
+            with ALiBi) at head dims up to 64, where it forms each score's tanh and ex2 once instead of twice,
+            and the two deterministic passes elsewhere, which are faster there (`explain(..., backward=True,
+            deterministic=False)` says which runs).
 
     Returns:
         ``(dq, dk, dv)`` with the shapes and dtypes of q, k, v. For GQA, dk and dv sum over the query

@@ -425,6 +425,14 @@ SIMULATOR_WGMMA_BACKWARD_TILES = WgmmaTiles(64, 16, 1, 3, producer=True, tma=Tru
 # dQ led, 0.67-0.79x against 0.60-0.66x).
 WGMMA_ATOMIC_DQ = 64
 WGMMA_ATOMIC_DQ_HEADDIMS = (64,)
+# Except with softcap (without a score_mod or mask_mod, packed sequences or a block mask): the two passes each form
+# every score's tanh and ex2, the atomic dQ's one pass once, and at headdim 64 that unit is what softcap's backward
+# waits on (`kernels.softmax`). A planned deterministic=False call with softcap runs the atomic dQ there. Its time
+# over the two passes' (H100, fp16, 16 heads, three interleaved rounds, .bench/atomic2.py): softcap 30 0.921 (N =
+# 16384) and 0.953 (4096), causal 0.936 and 0.937, with ALiBi 0.908 and 0.916; without softcap it ran slower or
+# level: plain 1.063 and 1.085, causal 1.012 and 1.085, ALiBi alone 1.001 and 0.991.
+ATOMIC_DQ_SOFTCAP_REASON = ("softcap: the one pass forms each score's tanh and ex2 once, where the two passes form "
+                            "them twice, and runs the faster")
 # Tensor-core backward: square blocks, because `sim` counts one B_r = B_c for both passes (the dK/dV
 # kernel owns block_m keys and streams block_n queries; the dQ kernel the reverse). Up to headdim 64,
 # 4 warps of 2 m-tiles (H200, fp16, N = 2048 to 16384, causal and not: 0.54-0.65x SDPA flash, against
@@ -639,10 +647,11 @@ def make_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, back
     non-empty tiles, on average ``block_visits`` key tiles a block of `block_visits_tiles` (an int; None: unknown,
     taken as few); ``alibi_alone``: ALiBi without softcap or a score_mod (`numbaflash.mods.Mods.alibi_alone`);
     ``lse``: the caller takes the forward's LSE (``return_lse``, or a backward from it), which the tensor cores' row
-    sums do not give exactly (`ROW_SUMS_HEADDIMS`); ``softcap``: the call's softcap with ``softcap_alone``, whose bound
-    on the scores a bfloat16 forward takes for its maximum (`fixed_maximum`).
+    sums do not give exactly (`ROW_SUMS_HEADDIMS`); ``softcap``: the call's softcap (0: off), whose bound on the
+    scores a bfloat16 forward with ``softcap_alone`` takes for its maximum (`fixed_maximum`).
     ``deterministic``: a backward whose repeats are bitwise identical; False with v5's ``tiles`` runs its dK/dV
-    kernel that accumulates dQ with float32 atomics (`WGMMA_ATOMIC_DQ`), which no plan picks by itself."""
+    kernel that accumulates dQ with float32 atomics (`WGMMA_ATOMIC_DQ`), which a plan picks by itself only with
+    ``softcap`` (`ATOMIC_DQ_SOFTCAP_REASON`)."""
     device = current_device() if device is None else device
     if block_visits is not None:
         if not block_sparse:
@@ -679,7 +688,8 @@ def _choose_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, b
         raise ValueError(f"the wgmma backward runs head dims up to {max(WGMMA_BACKWARD_TILES)}; got headdim {headdim}")
     if uses_tensor_cores(dtype, device) and (tiles is None or isinstance(tiles, (MmaTiles, WgmmaTiles))):
         if backward and (isinstance(tiles, WgmmaTiles) or (tiles is None and uses_wgmma_backward(dtype, device, headdim))):
-            return _wgmma_backward_plan(shape, device, tiles, aligned, packed, deterministic, block_sparse)
+            return _wgmma_backward_plan(shape, device, tiles, aligned, packed, deterministic, block_sparse,
+                                        softcap > 0 and not user_functions)
         if not backward and (isinstance(tiles, WgmmaTiles) or (tiles is None and uses_wgmma(dtype, device, headdim))):
             return _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, softcap_alone,
                                        block_sparse, alibi_alone, lse, softcap, block_visits)
@@ -884,10 +894,11 @@ def _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, s
     return _plan(tiles.kernel, reason, shape, device, D, tiles, smem, registers)
 
 
-def _wgmma_backward_plan(shape, device, tiles, aligned, packed, deterministic, block_sparse):
+def _wgmma_backward_plan(shape, device, tiles, aligned, packed, deterministic, block_sparse, capped):
     """The wgmma backward's plan: v5 (`WGMMA_BACKWARD_TILES`) where the copy engine reads the operands, else
     mma.sync's (`explain` says why); v3 or other tiles when asked for. Not ``deterministic`` with v5's tiles
-    asked for: v5 accumulates dQ in its dK/dV kernel (`WGMMA_ATOMIC_DQ`)."""
+    asked for, or planned with softcap and no user function (``capped``): v5 accumulates dQ in its dK/dV kernel
+    (`WGMMA_ATOMIC_DQ`)."""
     from .kernels.wgmma import backward as wgmma_backward, ws_backward as wgmma_ws_backward
 
     D = wgmma_headdim(shape["headdim"])
@@ -910,8 +921,8 @@ def _wgmma_backward_plan(shape, device, tiles, aligned, packed, deterministic, b
     if tiles.producer and tiles.warpgroups not in wgmma_ws_backward.REGISTERS:
         raise ValueError(f"the wgmma backward runs 1 or 2 consumer warpgroups beside its producer; got {tiles}")
     check_copy_engine(tiles, aligned)
-    atomic = (not deterministic and not planned and not packed and tiles.producer and tiles.block_n == WGMMA_ATOMIC_DQ
-              and D in WGMMA_ATOMIC_DQ_HEADDIMS)
+    atomic = (not deterministic and (capped and not block_sparse or not planned) and not packed and tiles.producer
+              and tiles.block_n == WGMMA_ATOMIC_DQ and D in WGMMA_ATOMIC_DQ_HEADDIMS)
     kernels = wgmma_ws_backward if tiles.producer else wgmma_backward
     smem = ((wgmma_ws_backward.smem_bytes_dkdv(D, tiles, True), 0) if atomic else
             (kernels.smem_bytes_dkdv(D, tiles), kernels.smem_bytes_dq(D, tiles)))
@@ -925,9 +936,11 @@ def _wgmma_backward_plan(shape, device, tiles, aligned, packed, deterministic, b
         reason += f"; {SHARED_BLOCKS_REASON}"
     if atomic:
         reason += ("; deterministic=False: the dK/dV kernel also adds dS K into a float32 dQ with atomics (5 products "
-                   "per tile pair instead of 7; repeats may differ in the last bits of dQ)")
+                   "per tile pair instead of 7; repeats may differ in the last bits of dQ)"
+                   + (f"; {ATOMIC_DQ_SOFTCAP_REASON}" if planned else ""))
     elif not deterministic:
-        why = ("they run faster than v5's atomic dQ, which runs with v5's tiles asked for"
+        why = ("they run faster than v5's atomic dQ, which runs with v5's tiles asked for, or planned with softcap "
+               "alone or with ALiBi (no score_mod or mask_mod, packed sequences or block mask)"
                if planned and D in WGMMA_ATOMIC_DQ_HEADDIMS else
                f"the atomic dQ runs v5's tiles streaming {WGMMA_ATOMIC_DQ} query rows at head dims padded to "
                f"{', '.join(map(str, WGMMA_ATOMIC_DQ_HEADDIMS))}")

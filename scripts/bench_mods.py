@@ -15,6 +15,7 @@ tests' job; this guards the timings against a kernel that computes something els
     python scripts/bench_mods.py --flex            # also torch's FlexAttention, plain and with softcap
     python scripts/bench_mods.py --dtype bfloat16  # where softcap takes its bound as every row's maximum
     python scripts/bench_mods.py --rounds 3        # each variant thrice, right after its base: median ratios, ranges
+    python scripts/bench_mods.py --deterministic no  # backwards as deterministic=False plans them (softcap: atomic dQ)
 
 One pass times each variant once, at one moment of the GPU's clock and power state: the same kernels' ratios moved
 by 5-10% between runs (H100, README). ``--rounds`` times every variant once a round, each time right after its base
@@ -124,10 +125,10 @@ def flex_rows(torch, q, k, v, dout, passes, row_of):
     return rows
 
 
-def run(headdim, seqlen, passes, with_flex=False, dtype="float16", rounds=1):
+def run(headdim, seqlen, passes, with_flex=False, dtype="float16", rounds=1, deterministic=True):
     """The rows of one head dim and sequence length. With ``rounds`` > 1 each variant is timed once a round, the
     rounds starting at successive variants, right after its base (the plain kernel, or the built-in causal): its
-    ratio is the median of the rounds' ratios of neighbours, with their range."""
+    ratio is the median of the rounds' ratios of neighbours, with their range. ``deterministic``: the backwards'."""
     import torch
 
     import numbaflash
@@ -148,7 +149,7 @@ def run(headdim, seqlen, passes, with_flex=False, dtype="float16", rounds=1):
     for name, options, _ in listed:
         causal = options.get("causal", False) or "mask_mod" in options or "block_mask" in options
         row = dict(headdim=headdim, seqlen=seqlen, batch=batch, dtype=dtype, variant=name, causal=causal,
-                   over=base_of[name])
+                   over=base_of[name], deterministic=deterministic)
         if seqlen <= 4096:
             row["max_error_one_head"] = check_one_head(torch, q, k, v, options)
         rows.append(row)
@@ -156,7 +157,7 @@ def run(headdim, seqlen, passes, with_flex=False, dtype="float16", rounds=1):
         for backward in passes:
             if backward:
                 ours[name, backward] = functools.partial(numbaflash.attention_backward, dout, q, k, v, out, lse,
-                                                         **options)
+                                                         deterministic=deterministic, **options)
                 sdpa[name, backward] = functools.partial(_sdpa_backward, torch, qt, kt, vt, dout, causal)
             else:
                 ours[name, backward] = functools.partial(numbaflash.attention, q, k, v, **options)
@@ -214,6 +215,8 @@ def main():
     parser.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
     parser.add_argument("--rounds", type=int, default=1,
                         help="time every variant this many times, each right after its base: median ratios, ranges")
+    parser.add_argument("--deterministic", choices=["yes", "no"], default="yes",
+                        help="the backwards' deterministic argument (no: softcap's plan runs the atomic dQ at 64)")
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
     import torch
@@ -222,12 +225,12 @@ def main():
 
     bench.TIMING = args.timing
 
-    print(f"device: {torch.cuda.get_device_name()}, {args.dtype}")
+    print(f"device: {torch.cuda.get_device_name()}, {args.dtype}, deterministic={args.deterministic}")
     rows = []
     for headdim in args.headdims:
         for seqlen in args.seqlens:
             for row in run(headdim, seqlen, [p == "backward" for p in args.passes], args.flex, args.dtype,
-                           args.rounds):
+                           args.rounds, args.deterministic == "yes"):
                 rows.append(row)
                 cells = [f"d={headdim:<4} N={seqlen:<6} {row['variant']:<22}"]
                 for key in ("forward", "backward"):

@@ -99,9 +99,36 @@ def test_atomic_dq_backward_matches_reference(arrays, poisoned):
                    lambda *a, **kw: numbaflash.attention_backward(*a, plan=bwd, deterministic=False, **kw), *arrays)
 
 
+def test_softcap_plans_the_atomic_dq(arrays, mode, poisoned):
+    """deterministic=False with softcap, alone or with ALiBi, at head dims padded to 64 plans v5's atomic dQ, whose one
+    pass forms each score's tanh and ex2 once where the two passes form them twice (`tiling.ATOMIC_DQ_SOFTCAP_REASON`);
+    not with a user function, packed sequences, a block mask, without softcap, at 128 or deterministic. Held to the
+    reference rule with ALiBi under a causal mask: a GPU's plan, and on the simulator (which plans mma.sync's
+    backward) v5's smallest tiles that stream 64 rows."""
+    shape = (1, 2, 1, 40, 70)
+
+    def planned(headdim=40, device=HOPPER, **options):
+        return tiling.make_plan(*shape, headdim, "float16", backward=True, device=device,
+                                **dict(dict(deterministic=False, softcap=1.5), **options))
+
+    assert planned().dq_strategy == "atomic" and tiling.ATOMIC_DQ_SOFTCAP_REASON in planned().reason
+    for options in (dict(user_functions=True), dict(packed=True), dict(block_sparse=True), dict(softcap=0.0),
+                    dict(headdim=128), dict(deterministic=True)):
+        assert planned(**options).dq_strategy == "separate", options
+    assert "run faster than v5's atomic dQ" in planned(softcap=0.0).reason
+    here = (planned(device=None) if mode == "gpu" else
+            tiling.make_plan(*shape, 40, "float16", backward=True, tiles=ATOMIC_TILES, deterministic=False))
+    assert here.dq_strategy == "atomic"
+    slopes = np.random.default_rng(8).uniform(0.05, 0.5, (1, 2)).astype(np.float32)
+    case = Case(1, 40, 70, 2, 1, 40, "float16", causal=True, logit_scale=2.0, seed=8,
+                modifications=dict(softcap=1.5, alibi_slopes=slopes))
+    check_backward(case, numbaflash.attention,
+                   lambda *a, **kw: numbaflash.attention_backward(*a, plan=here, deterministic=False, **kw), *arrays)
+
+
 def test_deterministic_false_plans_and_refusals(arrays):
     """The atomic dQ with v5's tiles asked for at head dims padded to 64; the two passes elsewhere, and in every
-    planned call (faster), and why; a plan with atomics refused to a deterministic call; deterministic must be a
+    planned call without softcap (faster), and why; a plan with atomics refused to a deterministic call; deterministic must be a
     bool."""
     shape = (2, 4, 2, 300, 200)
     atomic = tiling.make_plan(*shape, 64, "float16", backward=True, device=HOPPER, deterministic=False,
