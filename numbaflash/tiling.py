@@ -431,8 +431,8 @@ WGMMA_ATOMIC_DQ_HEADDIMS = (64,)
 # over the two passes' (H100, fp16, 16 heads, three interleaved rounds, .bench/atomic2.py): softcap 30 0.921 (N =
 # 16384) and 0.953 (4096), causal 0.936 and 0.937, with ALiBi 0.908 and 0.916; without softcap it ran slower or
 # level: plain 1.063 and 1.085, causal 1.012 and 1.085, ALiBi alone 1.001 and 0.991.
-ATOMIC_DQ_SOFTCAP_REASON = ("softcap: the one pass forms each score's tanh and ex2 once, where the two passes form "
-                            "them twice, and runs the faster")
+ATOMIC_DQ_SOFTCAP_REASON = ("softcap: the one pass forms each score's tanh and ex2 once, the two passes twice (it ran "
+                            "5-9% faster)")
 # Tensor-core backward: square blocks, because `sim` counts one B_r = B_c for both passes (the dK/dV
 # kernel owns block_m keys and streams block_n queries; the dQ kernel the reverse). Up to headdim 64,
 # 4 warps of 2 m-tiles (H200, fp16, N = 2048 to 16384, causal and not: 0.54-0.65x SDPA flash, against

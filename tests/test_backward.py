@@ -107,9 +107,9 @@ def test_softcap_plans_the_atomic_dq(arrays, mode, poisoned):
     backward) v5's smallest tiles that stream 64 rows."""
     shape = (1, 2, 1, 40, 70)
 
-    def planned(headdim=40, device=HOPPER, **options):
-        return tiling.make_plan(*shape, headdim, "float16", backward=True, device=device,
-                                **dict(dict(deterministic=False, softcap=1.5), **options))
+    def planned(headdim=40, device=HOPPER, deterministic=False, softcap=1.5, **options):
+        return tiling.make_plan(*shape, headdim, "float16", backward=True, device=device, deterministic=deterministic,
+                                softcap=softcap, **options)
 
     assert planned().dq_strategy == "atomic" and tiling.ATOMIC_DQ_SOFTCAP_REASON in planned().reason
     for options in (dict(user_functions=True), dict(packed=True), dict(block_sparse=True), dict(softcap=0.0),
