@@ -426,11 +426,12 @@ SIMULATOR_WGMMA_BACKWARD_TILES = WgmmaTiles(64, 16, 1, 3, producer=True, tma=Tru
 WGMMA_ATOMIC_DQ = 64
 WGMMA_ATOMIC_DQ_HEADDIMS = (64,)
 # Except with softcap (without a score_mod or mask_mod, packed sequences or a block mask): the two passes each form
-# every score's tanh and ex2, the atomic dQ's one pass once, and at headdim 64 that unit is what softcap's backward
-# waits on (`kernels.softmax`). A planned deterministic=False call with softcap runs the atomic dQ there. Its time
-# over the two passes' (H100, fp16, 16 heads, three interleaved rounds, .bench/atomic2.py): softcap 30 0.921 (N =
-# 16384) and 0.953 (4096), causal 0.936 and 0.937, with ALiBi 0.908 and 0.916; without softcap it ran slower or
-# level: plain 1.063 and 1.085, causal 1.012 and 1.085, ALiBi alone 1.001 and 0.991.
+# every score's tanh and ex2, the atomic dQ's one pass once, and at headdim 64 the special-function unit that runs
+# them is what softcap's backward waits on (docs/modifications.md). A planned deterministic=False call with softcap
+# runs the atomic dQ there. Its time over the two passes' (H100, fp16, 16 heads, three interleaved rounds,
+# .bench/atomic2.py): softcap 30 0.921 (N = 16384) and 0.953 (4096), causal 0.936 and 0.937, with ALiBi 0.908 and
+# 0.916; without softcap it ran slower or level: plain 1.063 and 1.085, causal 1.012 and 1.085, ALiBi alone 1.001
+# and 0.991.
 ATOMIC_DQ_SOFTCAP_REASON = ("softcap: the one pass forms each score's tanh and ex2 once, the two passes twice (it ran "
                             "5-9% faster)")
 # Tensor-core backward: square blocks, because `sim` counts one B_r = B_c for both passes (the dK/dV

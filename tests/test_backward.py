@@ -128,8 +128,8 @@ def test_softcap_plans_the_atomic_dq(arrays, mode, poisoned):
 
 def test_deterministic_false_plans_and_refusals(arrays):
     """The atomic dQ with v5's tiles asked for at head dims padded to 64; the two passes elsewhere, and in every
-    planned call without softcap (faster), and why; a plan with atomics refused to a deterministic call; deterministic must be a
-    bool."""
+    planned call without softcap (faster), and why; a plan with atomics refused to a deterministic call;
+    deterministic must be a bool."""
     shape = (2, 4, 2, 300, 200)
     atomic = tiling.make_plan(*shape, 64, "float16", backward=True, device=HOPPER, deterministic=False,
                               tiles=tiling.WGMMA_BACKWARD_TILES[64])
