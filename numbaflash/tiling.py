@@ -381,8 +381,13 @@ WGMMA_CP_ASYNC_TILES = {64: WgmmaTiles(128, 112, 2), 128: WgmmaTiles(128, 64, 2)
 # before a full tile was tested against nothing, the dense plan's tiles gained nothing forward (causal as a block mask
 # 1.355 -> 1.375 ms, 4 documents 0.424 -> 0.419) and 3% backward at most (H100, .bench/shared_cross.py).
 WGMMA_BLOCK_SPARSE_TILES = {64: WgmmaTiles(64, 128, 1, producer=True, tma=True, blocks_per_sm=2)}
-# Their dQ pass waits for each tile's dQ += dS K: the deferral of `WGMMA_BACKWARD_TILES` came later and was not timed
-# with these tiles (the simulator's block-mask backward tests run both dQ loops, these tiles' and the deferred ones).
+# Their dQ pass waits for each tile's dQ += dS K. Against the built-in causal backward (H100, fp16, N = 16384, 16 heads,
+# stream timing, 2026-11-28), the causal block mask on them ran 1.091x (1.077-1.115 over three interleaved rounds);
+# with the deferral of `WGMMA_BACKWARD_TILES` (three stages) 1.077x (1.045-1.101) and on the dense plan's tiles 1.071x
+# (1.067-1.080), each in a process of its own (.bench/bs_bwd.py); 2, 4, 8 and 16 documents 0.582, 0.324, 0.192, 0.127
+# on these, 0.587, 0.317, 0.193, 0.127 deferred, 0.577, 0.333, 0.208, 0.142 dense. Planned the dense tiles and these
+# in one process, five rounds (.bench/bs_ab.py): 1.063x (1.047-1.096) against 1.056x (1.006-1.087), so these stay
+# (the simulator's block-mask backward tests run both dQ loops, these tiles' and the deferred ones).
 WGMMA_BLOCK_SPARSE_BACKWARD_TILES = {64: WgmmaTiles(64, 64, 1, producer=True, tma=True, blocks_per_sm=2)}
 # A block mask whose query blocks visit many key tiles pays each block's start and end over many tiles, and the dense
 # plan's tiles (three consumers taking turns) run those tiles faster than the shared blocks' one consumer: the forward

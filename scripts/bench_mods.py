@@ -16,10 +16,18 @@ tests' job; this guards the timings against a kernel that computes something els
     python scripts/bench_mods.py --dtype bfloat16  # where softcap takes its bound as every row's maximum
     python scripts/bench_mods.py --rounds 3        # each variant thrice, right after its base: median ratios, ranges
     python scripts/bench_mods.py --deterministic no  # backwards as deterministic=False plans them (softcap: atomic dQ)
+    python scripts/bench_mods.py --jobs 8          # 8 processes compile at once and take turns on the GPU
 
 One pass times each variant once, at one moment of the GPU's clock and power state: the same kernels' ratios moved
 by 5-10% between runs (H100, README). ``--rounds`` times every variant once a round, each time right after its base
 kernel, the rounds starting at successive variants, and reports the median of those ratios with their range.
+
+A process compiles each variant's kernels before it times any, and kernels that call the user's functions are not
+cached on disk (`kernels.compiled`): one process timing the backward at headdim 64 ran out of an 8-minute limit
+(H100, 2026-11-28). ``--jobs N`` shares the variants among N processes (each also runs the bases its variants are
+timed against), which compile at the same time, wait for one another, and time one at a time, holding a file lock:
+``--jobs 7 --timing stream --passes forward backward --headdims 64 128 --seqlens 16384 --rounds 3`` took 4.6 minutes
+from cold on the H100's 16 cores. A variant's ratio is to its base timed in its own process.
 
 With --flex the same run times torch's FlexAttention (compiled Triton kernels) without and with softcap as a
 score_mod: its softcap's cost over its own plain kernel is the yardstick for numbaflash's.
@@ -28,11 +36,17 @@ Writes bench_mods.json under --out.
 """
 
 import argparse
+import collections
+import contextlib
+import fcntl
 import functools
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
+import time
 
 import numpy as np
 
@@ -83,6 +97,35 @@ def variants(torch, nheads):
     }
 
 
+BASES = ("plain", "causal (built-in)")  # what the other variants are timed against
+
+
+def share_of(listed, base_of, share):
+    """``listed``'s entries that worker ``index`` of ``count`` (``share``) times: every ``count``-th variant that is no
+    base, from the ``index``-th, and the bases those are timed against (none if it has no variant)."""
+    index, count = share
+    mine = [name for name, _, _ in listed if name not in BASES][index::count]
+    keep = set(mine) | {base_of[name] for name in mine}
+    return [entry for entry in listed if entry[0] in keep]
+
+
+@contextlib.contextmanager
+def gpu_turn(lock_path, share):
+    """For ``--jobs``' worker ``share`` (index, count): wait until every worker has compiled and run its calls once (a
+    file each beside ``lock_path``), so that none runs a kernel while another times, then hold the exclusive file
+    lock ``lock_path`` while the caller times. Nothing without a lock (one process)."""
+    if lock_path is None:
+        yield
+        return
+    index, count = share
+    open(f"{lock_path}.{index}.ready", "w").close()
+    while not all(os.path.exists(f"{lock_path}.{i}.ready") for i in range(count)):
+        time.sleep(0.5)
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield  # closing the file releases the lock
+
+
 def check_one_head(torch, q, k, v, options):
     """Max error of batch 0, head 0 against the float64 reference (the slopes and tables are per head: head 0's)."""
     import numbaflash
@@ -125,10 +168,15 @@ def flex_rows(torch, q, k, v, dout, passes, row_of):
     return rows
 
 
-def run(headdim, seqlen, passes, with_flex=False, dtype="float16", rounds=1, deterministic=True):
-    """The rows of one head dim and sequence length. With ``rounds`` > 1 each variant is timed once a round, the
-    rounds starting at successive variants, right after its base (the plain kernel, or the built-in causal): its
-    ratio is the median of the rounds' ratios of neighbours, with their range. ``deterministic``: the backwards'."""
+Prepared = collections.namedtuple("Prepared", "torch operands listed base_of ours sdpa rows passes rounds with_flex batch")
+
+
+def prepare(headdim, seqlen, passes, with_flex=False, dtype="float16", rounds=1, deterministic=True, share=(0, 1)):
+    """The calls of one head dim and sequence length, each run once, for `timed` (a `Prepared`; None where worker
+    ``share``, (index, count) of ``--jobs``, has no variant of its `share_of`). With ``rounds`` > 1 each variant is
+    timed once a round, the rounds starting at successive variants, right after its base (the plain kernel, or the
+    built-in causal): its ratio is the median of the rounds' ratios of neighbours, with their range.
+    ``deterministic``: the backwards'."""
     import torch
 
     import numbaflash
@@ -140,6 +188,10 @@ def run(headdim, seqlen, passes, with_flex=False, dtype="float16", rounds=1, det
     qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
     listed = [(name, options, None) for name, options in variants(torch, NHEADS).items()] + block_masks(torch, seqlen)
     base_of = {name: over or ("causal (built-in)" if "causal" in name else "plain") for name, _, over in listed}
+    order = {name: i for i, (name, _, _) in enumerate(listed)}
+    listed = share_of(listed, base_of, share)
+    if not listed:
+        return None
     # Every variant's kernels compiled, loaded and run once before any is timed. Without it the built-in causal
     # forward at headdim 64 took 1.35-1.44 ms in a process's first pass over the variants (four processes) and
     # 1.25 in a second pass, against 1.18-1.25 in other scripts; with it 1.23-1.26 (H100, fp16, N = 16384). The
@@ -149,7 +201,7 @@ def run(headdim, seqlen, passes, with_flex=False, dtype="float16", rounds=1, det
     for name, options, _ in listed:
         causal = options.get("causal", False) or "mask_mod" in options or "block_mask" in options
         row = dict(headdim=headdim, seqlen=seqlen, batch=batch, dtype=dtype, variant=name, causal=causal,
-                   over=base_of[name], deterministic=deterministic)
+                   over=base_of[name], deterministic=deterministic, order=order[name])
         if seqlen <= 4096:
             row["max_error_one_head"] = check_one_head(torch, q, k, v, options)
         rows.append(row)
@@ -164,6 +216,16 @@ def run(headdim, seqlen, passes, with_flex=False, dtype="float16", rounds=1, det
                 sdpa[name, backward] = functools.partial(sdpa_call, qt, kt, vt, causal)
             ours[name, backward]()  # the kernels timed below (without the LSE some plans take others: `tiling`)
     torch.cuda.synchronize()
+    return Prepared(torch, (q, k, v, dout), listed, base_of, ours, sdpa, rows, passes, rounds,
+                    with_flex and share[0] == 0, batch)
+
+
+def timed(prepared):
+    """The rows of a `prepare`'s calls, timed (and FlexAttention's after them, if asked for); [] for None."""
+    if prepared is None:
+        return []
+    torch, (q, k, v, dout), listed, base_of, ours, sdpa, rows, passes, rounds, with_flex, batch = prepared
+    headdim, seqlen = q.shape[-1], q.shape[1]
     times, ratios = {key: [] for key in ours}, {key: [] for key in ours}
     for r in range(rounds):
         for name, _, _ in listed[r % len(listed):] + listed[:r % len(listed)]:
@@ -217,36 +279,101 @@ def main():
                         help="time every variant this many times, each right after its base: median ratios, ranges")
     parser.add_argument("--deterministic", choices=["yes", "no"], default="yes",
                         help="the backwards' deterministic argument (no: softcap's plan runs the atomic dQ at 64)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="processes that compile at the same time and take turns to time (see above)")
+    parser.add_argument("--share", type=int, nargs=2, default=(0, 1), metavar=("INDEX", "COUNT"),
+                        help=argparse.SUPPRESS)  # a --jobs worker's
+    parser.add_argument("--lock", default=None, help=argparse.SUPPRESS)  # the --jobs workers' GPU lock
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
-    import torch
+    if args.jobs < 1:
+        parser.error(f"--jobs takes a positive number of processes; got {args.jobs}")
+    if not 0 <= args.share[0] < args.share[1]:
+        parser.error(f"--share takes INDEX COUNT with 0 <= INDEX < COUNT; got {args.share}")
+    if args.jobs > 1:
+        rows = _from_workers(args)
+    else:
+        import torch
 
-    import bench
+        import bench
 
-    bench.TIMING = args.timing
-
-    print(f"device: {torch.cuda.get_device_name()}, {args.dtype}, deterministic={args.deterministic}")
-    rows = []
-    for headdim in args.headdims:
-        for seqlen in args.seqlens:
-            for row in run(headdim, seqlen, [p == "backward" for p in args.passes], args.flex, args.dtype,
-                           args.rounds, args.deterministic == "yes"):
-                rows.append(row)
-                cells = [f"d={headdim:<4} N={seqlen:<6} {row['variant']:<22}"]
-                for key in ("forward", "backward"):
-                    if f"{key}_sdpa_flash_ms" in row:
-                        low, high = row[f"{key}_over_plain_range"]
-                        spread = f" ({low:.3f}-{high:.3f})" if args.rounds > 1 else ""
-                        cells.append(f"{key} {row[f'{key}_tflops']:6.1f} TFLOP/s x{row[f'{key}_over_plain']:.3f}{spread} "
-                                     f"of {row['over']}, {row[f'{key}_over_sdpa_flash']:.2f}x SDPA flash")
-                    elif f"{key}_ms" in row:  # FlexAttention's rows, over its own plain kernel
-                        cells.append(f"{key} {row[f'{key}_ms']:.3f} ms x{row[f'{key}_over_plain']:.3f} of its plain")
-                if "max_error_one_head" in row:
-                    cells.append(f"err {row['max_error_one_head']:.1e}")
-                print(" | ".join(cells), flush=True)
+        bench.TIMING = args.timing
+        print(f"device: {torch.cuda.get_device_name()}, {args.dtype}, deterministic={args.deterministic}", flush=True)
+        share = tuple(args.share)
+        steps = [prepare(headdim, seqlen, [p == "backward" for p in args.passes], args.flex, args.dtype, args.rounds,
+                         args.deterministic == "yes", share) for headdim in args.headdims for seqlen in args.seqlens]
+        rows = []
+        with gpu_turn(args.lock, share):
+            for step in steps:
+                for row in timed(step):
+                    rows.append(row)
+                    if args.lock is None:
+                        print(describe(row, args.rounds), flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_mods.json"), "w") as f:
         json.dump(rows, f, indent=1)
+
+
+def describe(row, rounds):
+    """One printed line of a row."""
+    cells = [f"d={row['headdim']:<4} N={row['seqlen']:<6} {row['variant']:<22}"]
+    for key in ("forward", "backward"):
+        if f"{key}_sdpa_flash_ms" in row:
+            low, high = row[f"{key}_over_plain_range"]
+            spread = f" ({low:.3f}-{high:.3f})" if rounds > 1 else ""
+            cells.append(f"{key} {row[f'{key}_tflops']:6.1f} TFLOP/s x{row[f'{key}_over_plain']:.3f}{spread} "
+                         f"of {row['over']}, {row[f'{key}_over_sdpa_flash']:.2f}x SDPA flash")
+        elif f"{key}_ms" in row:  # FlexAttention's rows, over its own plain kernel
+            cells.append(f"{key} {row[f'{key}_ms']:.3f} ms x{row[f'{key}_over_plain']:.3f} of its plain")
+    if "max_error_one_head" in row:
+        cells.append(f"err {row['max_error_one_head']:.1e}")
+    return " | ".join(cells)
+
+
+def _from_workers(args):
+    """``--jobs``: the rows of ``args.jobs`` worker processes of this script, each variant's from the worker that ran
+    it (a base's from the first that did), printed in the order one process prints them."""
+    with tempfile.TemporaryDirectory() as scratch:
+        lock = os.path.join(scratch, "gpu.lock")
+        common = [sys.executable, os.path.abspath(__file__), "--headdims", *map(str, args.headdims), "--seqlens",
+                  *map(str, args.seqlens), "--passes", *args.passes, "--timing", args.timing, "--dtype", args.dtype,
+                  "--rounds", str(args.rounds), "--deterministic", args.deterministic, "--lock", lock]
+        common += ["--flex"] if args.flex else []
+        workers = []
+        for index in range(args.jobs):
+            out = os.path.join(scratch, str(index))
+            log = open(os.path.join(scratch, f"{index}.log"), "w")
+            workers.append((subprocess.Popen(common + ["--share", str(index), str(args.jobs), "--out", out],
+                                             stdout=log, stderr=subprocess.STDOUT), out, log))
+        # Polled together: a worker that fails leaves the others waiting for it at `gpu_turn`.
+        while any(process.poll() is None for process, _, _ in workers):
+            failed = [(process, log) for process, _, log in workers if process.returncode not in (None, 0)]
+            if failed:
+                for process, _, _ in workers:
+                    process.kill()
+                break
+            time.sleep(1)
+        rows, seen = [], set()
+        for process, out, log in workers:
+            log.close()
+            if process.wait() != 0:
+                with open(log.name) as f:
+                    raise SystemExit(f"worker {out} failed ({process.returncode}):\n{f.read()[-4000:]}")
+            with open(os.path.join(out, "bench_mods.json")) as f:
+                for row in json.load(f):
+                    key = (row["headdim"], row["seqlen"], row["variant"])
+                    if key not in seen:
+                        seen.add(key)
+                        rows.append(row)
+    rows.sort(key=lambda row: (args.headdims.index(row["headdim"]), args.seqlens.index(row["seqlen"]),
+                               row.get("order", len(rows))))
+    import torch
+
+    print(f"device: {torch.cuda.get_device_name()}, {args.dtype}, deterministic={args.deterministic}, "
+          f"{args.jobs} processes", flush=True)
+    for row in rows:
+        print(describe(row, args.rounds), flush=True)
+    return rows
 
 
 if __name__ == "__main__":

@@ -286,7 +286,12 @@ def _alibi_transposed(M, NT, mods, FUSED):
 def _alibi_rows(M, NT, mods):
     """`row_steps`' dS loop for ALiBi alone on a tile on one ``side`` of the warp's diagonal (`alibi_side`): the
     bias of row ``r`` and key column ``c`` is ``slope side (R_r - c)`` with ``R_r`` the row's distance from the
-    lane's first key, kept with the row's LSE."""
+    lane's first key, kept with the row's LSE.
+
+    This loop and `_alibi_transposed` pay an FFMA a score for the term the LSE does not hold. The forward's column
+    term from one more tensor-core k-step (`wgmma.alibi_columns`) would save it, but a stand-in with that k-step in
+    both passes ran ALiBi's backward 1.18x the plain one at headdim 64, against 1.12-1.13x as built and 1.07-1.09x
+    without the FFMA (H100, fp16, N = 16384, .bench/alibi_bwd.py)."""
     M_ROWS = 2 * M
     slope_of = modifiers(mods, types.float32, fast=True).slope
 
