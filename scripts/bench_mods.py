@@ -100,6 +100,12 @@ def variants(torch, nheads):
 BASES = ("plain", "causal (built-in)")  # what the other variants are timed against
 
 
+def bases(listed):
+    """Each ``(name, options, over)`` entry's base: ``over`` if given, else the built-in causal for a causal variant
+    and the plain kernel for the others."""
+    return {name: over or ("causal (built-in)" if "causal" in name else "plain") for name, _, over in listed}
+
+
 def share_of(listed, base_of, share):
     """``listed``'s entries that worker ``index`` of ``count`` (``share``) times: every ``count``-th variant that is no
     base, from the ``index``-th, and the bases those are timed against (none if it has no variant)."""
@@ -187,7 +193,7 @@ def prepare(headdim, seqlen, passes, with_flex=False, dtype="float16", rounds=1,
                                  generator=gen) for _ in range(4))
     qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
     listed = [(name, options, None) for name, options in variants(torch, NHEADS).items()] + block_masks(torch, seqlen)
-    base_of = {name: over or ("causal (built-in)" if "causal" in name else "plain") for name, _, over in listed}
+    base_of = bases(listed)
     order = {name: i for i, (name, _, _) in enumerate(listed)}
     listed = share_of(listed, base_of, share)
     if not listed:
