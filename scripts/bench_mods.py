@@ -351,20 +351,27 @@ def _from_workers(args):
             log = open(os.path.join(scratch, f"{index}.log"), "w")
             workers.append((subprocess.Popen(common + ["--share", str(index), str(args.jobs), "--out", out],
                                              stdout=log, stderr=subprocess.STDOUT), out, log))
-        # Polled together: a worker that fails leaves the others waiting for it at `gpu_turn`.
-        while any(process.poll() is None for process, _, _ in workers):
-            failed = [(process, log) for process, _, log in workers if process.returncode not in (None, 0)]
-            if failed:
-                for process, _, _ in workers:
+        # Polled together: a worker that fails leaves the others waiting for it at `gpu_turn`, so they are stopped.
+        failed = None
+        try:
+            while failed is None:
+                codes = [process.poll() for process, _, _ in workers]  # every one polled, none passed over
+                failed = next((worker for worker, code in zip(workers, codes) if code not in (None, 0)), None)
+                if None not in codes:
+                    break
+                time.sleep(1)
+        finally:  # an interrupted parent, too, leaves no worker behind
+            for process, _, log in workers:
+                if process.poll() is None:
                     process.kill()
-                break
-            time.sleep(1)
+                process.wait()
+                log.close()
+        if failed is not None:
+            process, out, log = failed
+            with open(log.name) as f:
+                raise SystemExit(f"worker {out} failed ({process.returncode}):\n{f.read()[-4000:]}")
         rows, seen = [], set()
-        for process, out, log in workers:
-            log.close()
-            if process.wait() != 0:
-                with open(log.name) as f:
-                    raise SystemExit(f"worker {out} failed ({process.returncode}):\n{f.read()[-4000:]}")
+        for _, out, _ in workers:
             with open(os.path.join(out, "bench_mods.json")) as f:
                 for row in json.load(f):
                     key = (row["headdim"], row["seqlen"], row["variant"])
