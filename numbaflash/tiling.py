@@ -695,7 +695,7 @@ def _choose_plan(batch, nheads, nheads_kv, seqlen_q, seqlen_k, headdim, dtype, b
     if uses_tensor_cores(dtype, device) and (tiles is None or isinstance(tiles, (MmaTiles, WgmmaTiles))):
         if backward and (isinstance(tiles, WgmmaTiles) or (tiles is None and uses_wgmma_backward(dtype, device, headdim))):
             return _wgmma_backward_plan(shape, device, tiles, aligned, packed, deterministic, block_sparse,
-                                        softcap > 0 and not user_functions)
+                                        softcap > 0 and not user_functions and not block_sparse)
         if not backward and (isinstance(tiles, WgmmaTiles) or (tiles is None and uses_wgmma(dtype, device, headdim))):
             return _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, softcap_alone,
                                        block_sparse, alibi_alone, lse, softcap, block_visits)
@@ -903,8 +903,8 @@ def _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, s
 def _wgmma_backward_plan(shape, device, tiles, aligned, packed, deterministic, block_sparse, capped):
     """The wgmma backward's plan: v5 (`WGMMA_BACKWARD_TILES`) where the copy engine reads the operands, else
     mma.sync's (`explain` says why); v3 or other tiles when asked for. Not ``deterministic`` with v5's tiles
-    asked for, or planned with softcap and no user function (``capped``): v5 accumulates dQ in its dK/dV kernel
-    (`WGMMA_ATOMIC_DQ`)."""
+    asked for, or planned with softcap and no user function or block mask (``capped``): v5 accumulates dQ in its
+    dK/dV kernel (`WGMMA_ATOMIC_DQ`)."""
     from .kernels.wgmma import backward as wgmma_backward, ws_backward as wgmma_ws_backward
 
     D = wgmma_headdim(shape["headdim"])
@@ -927,7 +927,7 @@ def _wgmma_backward_plan(shape, device, tiles, aligned, packed, deterministic, b
     if tiles.producer and tiles.warpgroups not in wgmma_ws_backward.REGISTERS:
         raise ValueError(f"the wgmma backward runs 1 or 2 consumer warpgroups beside its producer; got {tiles}")
     check_copy_engine(tiles, aligned)
-    atomic = (not deterministic and (capped and not block_sparse or not planned) and not packed and tiles.producer
+    atomic = (not deterministic and (capped or not planned) and not packed and tiles.producer
               and tiles.block_n == WGMMA_ATOMIC_DQ and D in WGMMA_ATOMIC_DQ_HEADDIMS)
     kernels = wgmma_ws_backward if tiles.producer else wgmma_backward
     smem = ((wgmma_ws_backward.smem_bytes_dkdv(D, tiles, True), 0) if atomic else

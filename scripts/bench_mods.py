@@ -174,7 +174,7 @@ def flex_rows(torch, q, k, v, dout, passes, row_of):
     return rows
 
 
-Prepared = collections.namedtuple("Prepared", "torch operands listed base_of ours sdpa rows passes rounds with_flex batch")
+Prepared = collections.namedtuple("Prepared", "operands listed base_of ours sdpa rows passes rounds with_flex")
 
 
 def prepare(headdim, seqlen, passes, with_flex=False, dtype="float16", rounds=1, deterministic=True, share=(0, 1)):
@@ -222,16 +222,17 @@ def prepare(headdim, seqlen, passes, with_flex=False, dtype="float16", rounds=1,
                 sdpa[name, backward] = functools.partial(sdpa_call, qt, kt, vt, causal)
             ours[name, backward]()  # the kernels timed below (without the LSE some plans take others: `tiling`)
     torch.cuda.synchronize()
-    return Prepared(torch, (q, k, v, dout), listed, base_of, ours, sdpa, rows, passes, rounds,
-                    with_flex and share[0] == 0, batch)
+    return Prepared((q, k, v, dout), listed, base_of, ours, sdpa, rows, passes, rounds, with_flex and share[0] == 0)
 
 
 def timed(prepared):
     """The rows of a `prepare`'s calls, timed (and FlexAttention's after them, if asked for); [] for None."""
     if prepared is None:
         return []
-    torch, (q, k, v, dout), listed, base_of, ours, sdpa, rows, passes, rounds, with_flex, batch = prepared
-    headdim, seqlen = q.shape[-1], q.shape[1]
+    import torch
+
+    (q, k, v, dout), listed, base_of, ours, sdpa, rows, passes, rounds, with_flex = prepared
+    batch, seqlen, _, headdim = q.shape
     times, ratios = {key: [] for key in ours}, {key: [] for key in ours}
     for r in range(rounds):
         for name, _, _ in listed[r % len(listed):] + listed[:r % len(listed)]:
@@ -297,7 +298,7 @@ def main():
     if not 0 <= args.share[0] < args.share[1]:
         parser.error(f"--share takes INDEX COUNT with 0 <= INDEX < COUNT; got {args.share}")
     if args.jobs > 1:
-        rows = _from_workers(args)
+        rows = _from_workers(args, sys.argv[1:])
     else:
         import torch
 
@@ -336,15 +337,13 @@ def describe(row, rounds):
     return " | ".join(cells)
 
 
-def _from_workers(args):
-    """``--jobs``: the rows of ``args.jobs`` worker processes of this script, each variant's from the worker that ran
-    it (a base's from the first that did), printed in the order one process prints them."""
+def _from_workers(args, argv):
+    """``--jobs``: the rows of ``args.jobs`` worker processes of this script, run with this one's arguments ``argv``
+    (the options appended after them override theirs), each variant's from the worker that ran it (a base's from the
+    first that did), printed in the order one process prints them."""
     with tempfile.TemporaryDirectory() as scratch:
         lock = os.path.join(scratch, "gpu.lock")
-        common = [sys.executable, os.path.abspath(__file__), "--headdims", *map(str, args.headdims), "--seqlens",
-                  *map(str, args.seqlens), "--passes", *args.passes, "--timing", args.timing, "--dtype", args.dtype,
-                  "--rounds", str(args.rounds), "--deterministic", args.deterministic, "--lock", lock]
-        common += ["--flex"] if args.flex else []
+        common = [sys.executable, os.path.abspath(__file__), *argv, "--jobs", "1", "--lock", lock]
         workers = []
         for index in range(args.jobs):
             out = os.path.join(scratch, str(index))
