@@ -13,7 +13,7 @@ from numba.core.errors import NumbaError
 from . import _arrays, arguments, call_cache, masks, tiling
 from .block_sparsity import BlockMask
 from .mods import NONE, Mods, check as check_mods
-from .kernels import compiled
+from .kernels import compiled, function_keys
 from .kernels import mods as kernel_mods
 from .kernels.mma import backward as mma_backward, forward as mma_forward
 from .kernels.simt import backward as simt_backward, forward as simt_forward
@@ -608,7 +608,13 @@ def _modifications_line(modified):
     reads = [name for name, read in (("slopes", modified.alibi), ("mod_args", modified.per_score_functions)) if read]
     left_out = (f" (the traffic below leaves out the {' and '.join(reads)} the kernels read, which the caches serve)"
                 if reads else "")
-    return f"{modified.describe()}, compiled into the kernels: {'; '.join(how)}{left_out}"
+    cached = ""
+    if modified.user_functions:
+        _, unkeyable = function_keys.mods_key(modified)
+        cached = ("; on a GPU these kernels are kept in the disk cache, keyed by the functions' code and the values "
+                  "they read" if unkeyable is None else
+                  f"; these kernels compile once per process, never from the disk cache: {unkeyable}")
+    return f"{modified.describe()}, compiled into the kernels: {'; '.join(how)}{left_out}{cached}"
 
 
 def _block_mask_lines(call, the_plan, backward):

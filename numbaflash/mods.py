@@ -84,8 +84,8 @@ class Mods:
 
     @property
     def user_functions(self):
-        """The user's functions, which the disk cache cannot key (their globals may change): such kernels
-        are compiled once per process instead."""
+        """The user's functions (score_mod, its grad, mask_mod): the disk cache keys their kernels by what Numba
+        compiles of them (`kernels.function_keys`)."""
         return tuple(f for f in (self.score_mod, self.score_mod_grad, self.mask_mod) if f is not None)
 
     def __hash__(self):

@@ -1,13 +1,22 @@
-"""The on-disk cache of compiled kernels: keys, whole writes, corrupt entries, and a second process's first call."""
+"""The on-disk cache of compiled kernels: keys (the user's functions' among them), whole writes, corrupt entries, and a
+second process's first call."""
 
+import enum
+import math
 import os
 import subprocess
 import sys
 import textwrap
 
+import numba
+import numpy as np
 import pytest
 
-from numbaflash.kernels import disk_cache
+import numbaflash
+from numbaflash.kernels import compiled, disk_cache, function_keys
+from numbaflash.kernels.wgmma import forward as wgmma_forward
+from numbaflash.mods import Mods
+from numbaflash.tiling import WgmmaTiles
 
 
 @pytest.fixture
@@ -71,3 +80,120 @@ def test_a_second_process_loads_the_kernel_instead_of_compiling(tmp_path, monkey
         f.write(bytes([last[0] ^ 0xFF]))
     rebuilt = run()
     assert rebuilt > warm and disk_cache.load(os.path.basename(entries[0])[:-6]) is not None
+
+
+# -- the user's functions: keyed by what Numba compiles of them (`function_keys`)
+
+def _defined(source, name="f", filename="<user>", **scope):
+    """A function compiled from ``source`` in a fresh module scope holding ``scope``."""
+    namespace = {"math": math, "np": np, **scope}
+    exec(compile(textwrap.dedent(source), filename, "exec"), namespace)
+    return namespace[name]
+
+
+BIAS_SOURCE = """
+def f(score, b, h, q_idx, kv_idx):
+    return score + SCALE * TABLE[(q_idx - kv_idx) % 4] + helper(q_idx)
+"""
+
+
+def _bias_scope(scale=0.5, table=(1.0, 2.0, 3.0, 4.0), helper="def helper(i):\n    return i * 0.25\n"):
+    return dict(SCALE=scale, TABLE=np.array(table, dtype=np.float32), helper=numba.njit(_defined(helper, "helper")))
+
+
+def test_a_user_function_s_key_follows_its_code_and_every_value_it_reads():
+    base = function_keys.digest(_defined(BIAS_SOURCE, **_bias_scope()))
+    assert base == function_keys.digest(_defined(BIAS_SOURCE, **_bias_scope()))  # a new object, the same function
+    # lines added above it and another file name leave its kernels' code, and its key, as they were
+    assert base == function_keys.digest(_defined("\n\n\n" + BIAS_SOURCE, filename="<moved>", **_bias_scope()))
+    changed = {
+        "its code": _defined(BIAS_SOURCE.replace("score +", "score -"), **_bias_scope()),
+        "a constant in it": _defined(BIAS_SOURCE.replace("% 4", "% 3"), **_bias_scope()),
+        "a global number": _defined(BIAS_SOURCE, **_bias_scope(scale=0.25)),
+        "a global array's values": _defined(BIAS_SOURCE, **_bias_scope(table=(1.0, 2.0, 3.0, 5.0))),
+        "a global array's dtype": _defined(BIAS_SOURCE, **{**_bias_scope(), "TABLE": np.arange(1.0, 5.0)}),
+        "a function it calls": _defined(BIAS_SOURCE, **_bias_scope(helper="def helper(i):\n    return i * 0.5\n")),
+    }
+    for what, fn in changed.items():
+        assert function_keys.digest(fn) != base, what
+
+    def closure(weight):
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score * weight
+        return score_mod
+
+    assert function_keys.digest(closure(2.0)) == function_keys.digest(closure(2.0))
+    assert function_keys.digest(closure(2.0)) != function_keys.digest(closure(3.0))
+
+
+def test_a_user_function_s_key_is_the_same_in_every_process():
+    """String sets iterate in an order that changes with each process's hash seed; the key must not."""
+    script = textwrap.dedent("""
+        import numpy as np
+        from numbaflash.kernels import function_keys
+        DOCS = np.array([0, 0, 1, 1], dtype=np.int32)
+        def mask_mod(b, h, q_idx, kv_idx):
+            return DOCS[q_idx] == DOCS[kv_idx] and "a" in {"w", "x", "y", "z"}
+        print(function_keys.digest(mask_mod))
+    """)
+    digests = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                              env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip() for seed in ("1", "2", "3")}
+    assert len(digests) == 1 and len(digests.pop()) == 64
+
+
+class Kind(enum.IntEnum):  # Numba compiles an IntEnum's members; the key does not follow a class of the user's
+    BIAS = 2
+
+
+def test_a_function_reading_a_value_no_key_sees_into_is_left_out_of_the_disk_cache():
+    fn = _defined("def f(score, b, h, q_idx, kv_idx):\n    return score + (q_idx == Kind.BIAS)\n", Kind=Kind)
+    with pytest.raises(function_keys.Unkeyable, match="f's global 'Kind', of type enum"):
+        function_keys.digest(fn)
+    mods = Mods(score_mod=fn)
+    key, why = function_keys.mods_key(mods)
+    assert key is None and "'Kind'" in why
+    assert compiled.kernel(wgmma_forward.build, 64, WgmmaTiles(64, 64, 1), "float16", 128, mods)._specialization is None
+    keyed = Mods(score_mod=_defined(BIAS_SOURCE, **_bias_scope()))
+    specialization = compiled.kernel(wgmma_forward.build, 64, WgmmaTiles(64, 64, 1), "float16", 128, keyed)._specialization
+    assert specialization[-1] == function_keys.mods_key(keyed)[0]
+    q = np.zeros((1, 16, 1, 16), dtype=np.float16)
+    assert "never from the disk cache: f's global 'Kind'" in numbaflash.explain(q, q, q, score_mod=fn)
+    assert "kept in the disk cache" in numbaflash.explain(q, q, q, score_mod=keyed.score_mod)
+
+
+@pytest.mark.gpu
+def test_a_score_mod_kernel_is_loaded_by_a_new_process_and_never_stale(tmp_path, monkeypatch):
+    """score_mod multiplies each score by a global WEIGHT, as softmax_scale * WEIGHT does: a process with another
+    WEIGHT compiles its own kernel (a stale one would give the first weight's answer), and one with the first
+    WEIGHT again loads the first process's kernel."""
+    script = textwrap.dedent("""
+        import sys, time, cupy, numbaflash
+        WEIGHT = float(sys.argv[1])
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score * WEIGHT
+        q, k, v = (cupy.random.standard_normal((1, 1024, 4, 64), dtype=cupy.float32).astype(cupy.float16)
+                   for _ in range(3))
+        expected = numbaflash.attention(q, k, v, softmax_scale=0.125 * WEIGHT)
+        cupy.cuda.Device().synchronize()
+        start = time.perf_counter()
+        out = numbaflash.attention(q, k, v, softmax_scale=0.125, score_mod=score_mod)
+        cupy.cuda.Device().synchronize()
+        print(time.perf_counter() - start, float(abs(out.astype(cupy.float32) - expected.astype(cupy.float32)).max()))
+    """)
+    monkeypatch.setenv(disk_cache.ENV, str(tmp_path))
+
+    def run(weight):
+        first_call, error = map(float, subprocess.run([sys.executable, "-c", script, str(weight)], capture_output=True,
+                                                      text=True, check=True).stdout.split()[-2:])
+        entries = sum(f.endswith(".cubin") for _, _, fs in os.walk(tmp_path) for f in fs)
+        return first_call, error, entries
+
+    cold, error, entries = run(1.0)
+    other, other_error, other_entries = run(3.0)
+    warm, warm_error, warm_entries = run(1.0)
+    print(f"score_mod's first call: {cold:.2f} s compiling, {warm:.2f} s from the cache; another weight {other:.2f} s; "
+          f"max |out - softmax_scale's| {error:.2e}, {other_error:.2e}, {warm_error:.2e}; entries {entries}, "
+          f"{other_entries}, {warm_entries}")
+    assert max(error, other_error, warm_error) < 1e-2  # a stale kernel: a weight of 1 for 3, errors near 0.1-1
+    assert other_entries > entries and warm_entries == other_entries
+    assert warm < 1.0 and warm < cold / 2

@@ -2,7 +2,7 @@
 
 A specialization is (kernel builder, padded head dim, tiles, storage dtype, `mods.Mods`); its sizes are compile-time
 constants, so each one is a separate compile, kept for the life of the process and, on a GPU, on disk
-(`disk_cache`): a new process loads the cubin instead of compiling.
+(`disk_cache`, the user's functions keyed by `function_keys`): a new process loads the cubin instead of compiling.
 
 Launches on the GPU pack the kernel's parameters into one buffer and call the driver's cuLaunchKernel
 (`parameters`), as numba's dispatcher does after it has typed and wrapped every argument: that wrapping
@@ -20,7 +20,7 @@ import numba_cuda
 from numba import cuda, types
 from numba.np.numpy_support import as_dtype
 
-from . import disk_cache, parameters
+from . import disk_cache, function_keys, parameters
 from ..mods import NONE
 from .intrinsics import SIMULATOR
 
@@ -47,11 +47,12 @@ def kernel(build, D, tiles, storage, threads, mods=NONE):
     elif threads > 256 and not SIMULATOR:
         least = build.min_blocks(tiles) if hasattr(build, "min_blocks") else None
         launch_bounds = (threads, least) if least else threads
-    # A kernel that calls the user's functions is not cached on disk: their code and globals can change
-    # between processes under the same name.
-    specialization = None if mods.user_functions else (build.__module__, build.__qualname__, D, repr(tiles), storage,
-                                                       launch_bounds, mods.softcap, mods.alibi,
-                                                       mods.packed)
+    # The user's functions enter the key by what Numba compiles of them (`function_keys`); one whose values no key
+    # can see into leaves its kernels out of the disk cache.
+    functions, _ = function_keys.mods_key(mods)
+    specialization = None if functions is None else (build.__module__, build.__qualname__, D, repr(tiles), storage,
+                                                     launch_bounds, mods.softcap, mods.alibi, mods.packed,
+                                                     mods.block_sparse, mods.arg_types, functions)
     return Kernel(fn, signature, launch_bounds, specialization)
 
 
