@@ -126,13 +126,28 @@ class BlockMask:
         ``block_visits``)."""
         return int(self.visited(block_m, block_n, left, right).sum(axis=-1).mean())
 
+    def grid_order(self, block_m, block_n, left, right):
+        """int32 ``(batch or 1, nheads or 1, query tiles)``: the query tile the ``x``-th block of a head's row of the
+        grid runs (forward, dQ): the tiles that visit the most key tiles first, of equal ones the later rows first,
+        as `kernels.blocks.query_blocks` orders rows without a block mask. Blocks start in blockIdx.x order; in row
+        order each document's heaviest blocks come last among its own, and the last head's ran on alone at the
+        grid's end. Ordered within each head (all heads' longest first would outrun L2: README, the persistent
+        forward), 8 documents' forward at headdim 128 took 0.963x the time of the same kernel and table in row order
+        (0.878-0.979 over eight ABBA pairs), at 64 1.001x (0.996-1.011), the backward 0.985x and 1.000x; a causal
+        block mask's order is the rows' (H200, fp16, N = 16384, 16 heads, stream timing, `.bench/order_abba.py`)."""
+        counts = self.visited(block_m, block_n, left, right).sum(axis=-1)
+        last = counts.shape[-1] - 1
+        # a stable sort of the reversed rows keeps the later of two equal rows first
+        return (last - np.argsort(-counts[..., ::-1], axis=-1, kind="stable")).astype(np.int32)
+
     def key_tiles(self, block_m, block_n, left, right, like):
         """The forward's schedule (`kernels.key_tiles`): ``(table, bits)``, arrays of the kind and device of
         `_arrays.Operand` ``like``, cached.
 
-        ``table``: int32 ``(batch or 1, nheads or 1, query tiles, 2 (key tiles + 1))``; entry 0 of a query tile
+        ``table``: int32 ``(batch or 1, nheads or 1, query tiles, 2 (key tiles + 1) + 1)``; entry 0 of a query tile
         counts the key tiles it visits (`visited`), entries 1.. are ``2 * key tile + (1 if `unmasked`)``, ascending,
-        and entry ``key tiles + 2 + i`` is the ``i``-th visited tile's slot in ``bits`` (-1 for a full one).
+        entry ``key tiles + 2 + i`` is the ``i``-th visited tile's slot in ``bits`` (-1 for a full one), and the
+        last entry of row ``x`` is `grid_order`'s ``x``-th query tile.
         ``bits``: int32 ``(partial tiles or 1, block_m, words)``, ``words = cdiv(block_n, 32)``: bit ``c % 32``
         of word ``c // 32`` of row ``r`` of a slot is mask_mod's verdict on its tile's row ``r``, key ``c``,
         where the call's causal/window mask shows it inside the sequences (0 elsewhere)."""
@@ -141,7 +156,8 @@ class BlockMask:
             whole, visited = self.unmasked(block_m, block_n, left, right), self.visited(block_m, block_n, left, right)
             ktiles = whole.shape[3]
             # One spare entry past the last tile: kernels read the next tile's start before they test the count.
-            table = np.zeros(whole.shape[:3] + (2 * (ktiles + 1),), np.int32)
+            table = np.zeros(whole.shape[:3] + (2 * (ktiles + 1) + 1,), np.int32)
+            table[..., -1] = self.grid_order(block_m, block_n, left, right)
             partial = []  # (b, h, query tile, key tile) of each slot, in slot order
             for b, h, qt in np.ndindex(*whole.shape[:3]):
                 tiles = np.flatnonzero(visited[b, h, qt])

@@ -237,8 +237,8 @@ def test_the_kernels_read_a_block_masks_schedule_as_compiled():
     """The kernels read a block mask's schedule in warp instructions of their own (`sim.hardware.schedules`, each count
     held against ncu's on the H100): v5, mma.sync and the CUDA cores. A causal block mask, one head, N = 256, d = 64.
 
-    v5 on the block masks' tiles: every one of a block's 8 warps loads its count (one sector, all lanes at one
-    address); per visit, each of the 4 consumer warps its entry and its slot, and the producer's thread the entry of
+    v5 on the block masks' tiles: every one of a block's 8 warps loads its count and, in a forward or dQ pass, the
+    query tile its grid position runs (one sector each, all lanes at one address); per visit, each of the 4 consumer warps its entry and its slot, and the producer's thread the entry of
     each copy (2 in the forward, K and V; 1 in each backward pass); per partial tile each consumer warp loads its rows
     g and g + 8 at each 32-column word (8 rows of verdicts a load, 16 bytes apart in the forward: 4 sectors; 8 bytes
     apart in the backward's 64-column tiles: 2), the dQ pass once per 8-column chunk."""
@@ -247,7 +247,7 @@ def test_the_kernels_read_a_block_masks_schedule_as_compiled():
     # forward, 64 x 128 tiles: query blocks see 1, 1, 2, 2 key tiles, one partial each
     (forward,) = traffic(1, 1, 1, seqlen, seqlen, 64, "float16", tiles=tiling.WGMMA_BLOCK_SPARSE_TILES[64],
                          block_mask=mask)
-    assert forward.load_bytes == 32 * (4 * 8 + 6 * (2 + 4 * 2) + 4 * (4 * 2 * 4 * 4))
+    assert forward.load_bytes == 32 * (4 * 8 * 2 + 6 * (2 + 4 * 2) + 4 * (4 * 2 * 4 * 4))
     # backward, 64 x 64 tiles: dQ blocks see 1, 2, 3, 4 key tiles, dK/dV blocks 4, 3, 2, 1 query tiles, one partial each
     kernels = traffic(1, 1, 1, seqlen, seqlen, 64, "float16", backward=True,
                       tiles=tiling.WGMMA_BLOCK_SPARSE_BACKWARD_TILES[64], block_mask=mask)
@@ -256,19 +256,20 @@ def test_the_kernels_read_a_block_masks_schedule_as_compiled():
     reads = {k.kernel: k.load_bytes - u.load_bytes for k, u in zip(kernels, unmasked)}
     assert reads == {"wgmma_tma_backward_preprocess": 0,
                      "wgmma_tma_backward_dkdv": 32 * (4 * 8 + 10 * (1 + 4 * 2) + 4 * (4 * 2 * 2 * 2)),
-                     "wgmma_tma_backward_dq": 32 * (4 * 8 + 10 * (1 + 4 * 2) + 4 * (4 * 2 * 2 * 4 * 2))}
+                     "wgmma_tma_backward_dq": 32 * (4 * 8 * 2 + 10 * (1 + 4 * 2) + 4 * (4 * 2 * 2 * 4 * 2))}
     # mma.sync's forward, 128 x 64 tiles of 4 warps with 2 m-tiles: query blocks see 2 and 4 key tiles, 2 partial each.
-    # Each warp loads the count and the first visit's entry, per visit the entry twice, per visit but the last the next
+    # Each warp loads its grid tile, the count and the first visit's entry, per visit the entry twice, per visit but the last the next
     # one's, per partial tile its slot and 8 verdict words (4 fragment rows x 2 words, rows 8 bytes apart: 2 sectors).
     tiles = tiling.MMA_TILES[64]
     (masked,), (causal,) = (traffic(1, 1, 1, seqlen, seqlen, 64, "float16", tiles=tiles, **mask_)
                             for mask_ in (dict(block_mask=mask), dict(causal=True)))
     warps = 4
     assert masked.load_bytes - causal.load_bytes == 32 * warps * (
-        2 * (1 + 1) + 6 * 2 + (1 + 3) + 4 * 1 + 4 * (4 * 2 * 2))
+        2 * (1 + 1 + 1) + 6 * 2 + (1 + 3) + 4 * 1 + 4 * (4 * 2 * 2))
     assert (masked.copy_bytes, masked.store_bytes) == (causal.copy_bytes, causal.store_bytes)
     # The CUDA-core kernels, 64 x 64 tiles of 16 x 16 threads (8 warps) with 4 x 4 scores each: query blocks see 1, 2,
-    # 3, 4 key tiles (dK/dV blocks 4, 3, 2, 1 query tiles), one partial each. Every warp loads the count, per visit
+    # 3, 4 key tiles (dK/dV blocks 4, 3, 2, 1 query tiles), one partial each. Every warp loads the count (and in the
+    # forward and dQ pass its grid tile), per visit
     # the entry and the slot, and per partial tile, for each of a thread's 4 rows, the word of its 4 columns: 2 rows
     # a warp, 32 bytes apart (2 words of 4 bytes a row): 2 sectors.
     tiles, warps = tiling.Tiles(64, 64, 4, 4), 8
@@ -277,8 +278,9 @@ def test_the_kernels_read_a_block_masks_schedule_as_compiled():
                           for mask_ in (dict(block_mask=mask), dict(causal=True)))
         reads = {k.kernel: k.load_bytes - u.load_bytes for k, u in zip(masked, causal)}
         schedule = 32 * warps * (4 * 1 + 10 * 2 + 4 * 4 * 2)
-        assert reads == ({"simt_forward": schedule} if not backward else
-                         {"simt_backward_preprocess": 0, "simt_backward_dkdv": schedule, "simt_backward_dq": schedule})
+        ordered = schedule + 32 * warps * 4  # each of the 4 query blocks' grid tile
+        assert reads == ({"simt_forward": ordered} if not backward else
+                         {"simt_backward_preprocess": 0, "simt_backward_dkdv": schedule, "simt_backward_dq": ordered})
 
 
 def windows_by_head(b, h, q_idx, kv_idx):

@@ -820,6 +820,33 @@ def same_document_causal(b, h, q_idx, kv_idx, doc):
     return doc[0, q_idx] == doc[0, kv_idx] and kv_idx <= q_idx
 
 
+def causal_only(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx
+
+
+@pytest.mark.parametrize("mask_mod,lengths", [(same_document_causal, [40, 130, 10, 76]), (causal_only, [256])])
+def test_a_block_masked_grid_runs_its_longest_query_tiles_first(mask_mod, lengths):
+    """`BlockMask.grid_order`, the last entry of each row of the forward's and dQ pass's table (`key_tiles.grid_tile`):
+    every query tile once, the ones that visit the most key tiles first, of equal ones the later rows first, so a
+    causal block mask runs its rows in the built-in causal's order (`blocks.query_blocks`)."""
+    seqlen, rows, cols = sum(lengths), 16, 32
+    doc = np.repeat(np.arange(len(lengths)), lengths)[None].astype(np.int32)
+    args = (doc,) if mask_mod is same_document_causal else ()
+    bm = numbaflash.block_mask(mask_mod, None, None, seqlen, seqlen, mod_args=args)
+    like = numbaflash._arrays.Operand(doc, "numpy", doc.shape, doc.strides, "int32", -1, 0)
+    table, _ = (x.obj for x in bm.key_tiles(rows, cols, -1, 0, like))
+    order = table[0, 0, :, -1]
+    assert np.array_equal(order, bm.grid_order(rows, cols, -1, 0)[0, 0])
+    assert sorted(order) == list(range(table.shape[2]))
+    visits = table[0, 0, order, 0]
+    assert (np.diff(visits) <= 0).all() and all(order[i] > order[i + 1] for i in range(len(order) - 1)
+                                               if visits[i] == visits[i + 1])
+    if mask_mod is causal_only:
+        assert np.array_equal(order, np.arange(table.shape[2])[::-1])
+    else:  # the documents' blocks interleave: the longest document's last rows first, not the last document's
+        assert order[0] == (40 + 130 - 1) // rows and len(set(visits)) > 2
+
+
 def test_a_block_mask_counts_its_tiles_in_memory_for_the_counts_alone():
     """Classifying a mask over 2048 x 2048 scores keeps only the 16 x 16 tiles' counts (65 KB) beside the mask's
     rows' ranges; the boolean array of every score it built before, and its int64 copy, took 36 MB. The FLOPs

@@ -6,7 +6,7 @@ heads and visible range, with the bounds of `numbaflash.masks`, so every kernel 
 Kernels pass ``cuda.blockIdx`` in (under the simulator only a kernel's own globals see the simulated
 block index):
 
-* `query_block`: a block of query rows and the keys at least one of them sees.
+* `query_blocks(mods)`: ``query_block``, a block of query rows and the keys at least one of them sees.
 * `key_block`: a block of keys and the query rows that see at least one of them.
 * `TENSOR_CORE_FORWARD`, `tensor_core_backward`: the launch signatures the tensor-core kernels share.
 * `write_hidden_rows`: what a forward block writes for query rows whose every key the mask hides (by
@@ -19,6 +19,7 @@ from numba import types
 
 from .. import masks
 from .intrinsics import device_function
+from .key_tiles import grid_tile
 from .mods import kernel_type
 
 _BITS = types.Array(types.uint16, 4, "A")
@@ -36,17 +37,34 @@ def tensor_core_backward(n_outputs, mods):
             + (types.float32, types.int64, types.int64, types.boolean, kernel_type(mods, types.float32)))
 
 
+def query_blocks(mods):
+    """``query_block(block, q, k, block_m, left, right, mod)`` for the kernels of ``mods``: ``(b, h, hk, row_start,
+    row_end, lo, hi)``, the batch element, the query head and its kv head (GQA), the block's rows ``[row_start,
+    row_end)`` and the keys ``[lo, hi)`` seen by at least one of them (none when ``lo >= hi``). q: (batch, seqlen_q,
+    nheads, headdim); k: (batch, seqlen_k, nheads_kv, headdim).
+
+    The blocks that visit the most key tiles come first: blocks start in blockIdx.x order, so the longest ones no
+    longer start last and leave SMs idle at the end of the grid. Without a block mask those are the last rows (under
+    a causal mask they see the most keys); with one, the block mask's table orders them (`key_tiles.grid_tile`)."""
+    if mods.block_sparse:
+        @device_function
+        def query_block(block, q, k, block_m, left, right, mod):
+            return _query_rows(block, q, k, block_m, left, right, grid_tile(mod, block.z, block.y, block.x))
+    else:
+        @device_function
+        def query_block(block, q, k, block_m, left, right, mod):
+            last = (q.shape[1] + block_m - 1) // block_m - 1
+            return _query_rows(block, q, k, block_m, left, right, last - block.x)
+
+    return query_block
+
+
 @device_function
-def query_block(block, q, k, block_m, left, right):
-    """``(b, h, hk, row_start, row_end, lo, hi)``: the batch element, the query head and its kv head (GQA),
-    the block's rows ``[row_start, row_end)`` and the keys ``[lo, hi)`` seen by at least one of them
-    (none when ``lo >= hi``). q: (batch, seqlen_q, nheads, headdim); k: (batch, seqlen_k, nheads_kv, headdim)."""
+def _query_rows(block, q, k, block_m, left, right, tile):
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     h, b = block.y, block.z
     hk = h // (q.shape[2] // k.shape[2])
-    # The last query blocks come first: under a causal mask they see the most keys, and blocks start in
-    # blockIdx.x order, so the longest ones no longer start last and leave SMs idle at the end of the grid.
-    row_start = ((seqlen_q + block_m - 1) // block_m - 1 - block.x) * block_m
+    row_start = tile * block_m
     row_end = min(row_start + block_m, seqlen_q)
     lo, hi = masks.block_key_range(row_start, row_end, seqlen_q, seqlen_k, left, right)
     return b, h, hk, row_start, row_end, lo, hi

@@ -17,7 +17,8 @@ With a block mask (``mods.block_sparse``) ``mod[0]`` is `numbaflash.block_sparsi
 count, entries 1.. are ``2 * key tile + full`` and, after them, each partial tile's slot in ``bits``:
 `verdict_slot`, `verdict_word` and `shown` read them for the forwards' `softmax.steps` mask, the dQ pass's
 `gradients.row_steps` and the CUDA-core kernels (`simt`, the backward passes through `thread_verdicts`), which ask
-mask_mod nothing on a block-masked call.
+mask_mod nothing on a block-masked call. The last entry of row ``x`` is the query tile that the grid's block ``x``
+runs (`grid_tile`).
 
 Skipping mask_mod on full tiles costs registers, as the choice between the two paths is made per tile: with
 ``full`` from the table, ptxas 13.0 kept 124 bytes of local memory in v5's forward at headdim 128 with a
@@ -35,23 +36,35 @@ from numba import types
 from .intrinsics import device_function
 
 
+@device_function
+def _entry(table, b, h, block, i):
+    # Unsigned indices into a C-contiguous table: with signed ones and strides, each lookup paid numba's
+    # negative-index wraparound and 64-bit stride products (about 40 instructions before each tile's wait in
+    # v5's forward), and a causal block mask's forward executed 21% more instructions than the built-in
+    # causal's (ncu, H200, headdim 64, N = 16384). Now its loop's lookups run on the uniform datapath: the
+    # causal block mask went from 1.18-1.22x to 1.04x the built-in causal's time forward and from 1.22-1.28x
+    # to 1.06x backward at headdim 64 (H200, bench_mods --timing stream), and the dK/dV pass at headdim 128
+    # lost its 280 bytes of local memory (ptxas 13.0).
+    return table[types.uint64(b if table.shape[0] > 1 else 0), types.uint64(h if table.shape[1] > 1 else 0),
+                 types.uint64(block), types.uint64(i)]
+
+
 def table_entry(BLOCK_M):
     """``entry(mod, b, h, start, i)``: entry ``i`` of the block-mask table (``mod[0][0]``) of the block of ``BLOCK_M``
     rows (or keys) from ``start``, for batch element ``b`` and head ``h`` (a table's axis of 1 serves all)."""
     @device_function
     def entry(mod, b, h, start, i):
-        # Unsigned indices into a C-contiguous table: with signed ones and strides, each lookup paid numba's
-        # negative-index wraparound and 64-bit stride products (about 40 instructions before each tile's wait in
-        # v5's forward), and a causal block mask's forward executed 21% more instructions than the built-in
-        # causal's (ncu, H200, headdim 64, N = 16384). Now its loop's lookups run on the uniform datapath: the
-        # causal block mask went from 1.18-1.22x to 1.04x the built-in causal's time forward and from 1.22-1.28x
-        # to 1.06x backward at headdim 64 (H200, bench_mods --timing stream), and the dK/dV pass at headdim 128
-        # lost its 280 bytes of local memory (ptxas 13.0).
-        table = mod[0][0]
-        return table[types.uint64(b if table.shape[0] > 1 else 0), types.uint64(h if table.shape[1] > 1 else 0),
-                     types.uint64(start // BLOCK_M), types.uint64(i)]
+        return _entry(mod[0][0], b, h, start // BLOCK_M, i)
 
     return entry
+
+
+@device_function
+def grid_tile(mod, b, h, x):
+    """The query tile that block ``x`` of head ``h``'s row of a block-masked grid runs (forward, dQ): the last entry
+    of the table's row ``x`` (`numbaflash.block_sparsity.BlockMask.grid_order`)."""
+    table = mod[0][0]
+    return _entry(table, b, h, x, table.shape[3] - 1)
 
 
 def key_tiles(mods, BLOCK_M, BLOCK_N):

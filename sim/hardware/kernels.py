@@ -240,17 +240,23 @@ class Walk:
     def group(self):
         return self.plan.nheads // self.plan.nheads_kv
 
-    def query_blocks(self, ledger):
+    def query_blocks(self, ledger, schedule=None):
         """``(b, h, row_start, row_end, lo, hi)`` of every query block (forward, dQ) in launch order, the last
-        rows first (`kernels.blocks.query_block`), each opening a block in ``ledger``."""
+        rows first or the block mask's `grid_order` (`kernels.blocks.query_blocks`), each opening a block in
+        ``ledger``; ``schedule``: the pass's `schedules.ScheduleReads`, charged each block's read of its tile."""
         seqlen_q, seqlen_k = self.seqlens
-        bm = self.plan.tiles.block_m
+        bm, bn = self.plan.tiles.block_m, self.plan.tiles.block_n
         m_blocks = -(-seqlen_q // bm)
+        order = None if self.block_mask is None else self.block_mask.grid_order(bm, bn, self.left, self.right)
         for b in range(self.plan.batch):
             for h in range(self.plan.nheads):
                 for x in range(m_blocks):
                     ledger.start_block()
-                    row_start = (m_blocks - 1 - x) * bm
+                    if schedule:
+                        schedule.charge_grid_tile(ledger, b, h, x)
+                    tile = m_blocks - 1 - x if order is None else order[index_on(order.shape, 0, b),
+                                                                        index_on(order.shape, 1, h), x]
+                    row_start = int(tile) * bm
                     row_end = min(row_start + bm, seqlen_q)
                     lo, hi = masks.block_key_range(row_start, row_end, seqlen_q, seqlen_k, self.left, self.right)
                     yield b, h, row_start, row_end, lo, hi
@@ -292,7 +298,7 @@ def forward_blocks(walk, ledger):
     block that visits none writes its rows as hidden."""
     bm, bn = walk.plan.tiles.block_m, walk.plan.tiles.block_n
     schedule = walk.schedule("forward")
-    for b, h, row_start, row_end, lo, hi in walk.query_blocks(ledger):
+    for b, h, row_start, row_end, lo, hi in walk.query_blocks(ledger, schedule):
         tiles = walk.key_tiles(b, h, row_start, lo, hi) if lo < hi else ()
         if schedule and lo < hi:
             schedule.charge(ledger, b, h, row_start // bm, tiles)
@@ -434,7 +440,7 @@ def dq_blocks(walk, ledger):
         r, c = patterns.simt_lanes(t.threads, t.cols_t)
         rows_of = lambda q0: np.concatenate([q0 + r * t.thread_m + a for a in range(t.thread_m)])
     schedule = walk.schedule("dq")
-    for b, h, row_start, row_end, lo, hi in walk.query_blocks(ledger):
+    for b, h, row_start, row_end, lo, hi in walk.query_blocks(ledger, schedule):
         tiles = walk.key_tiles(b, h, row_start, lo, hi) if lo < hi else ()
         if schedule and lo < hi:
             schedule.charge(ledger, b, h, row_start // bm, tiles)

@@ -7,6 +7,8 @@ does not show whole, each row's verdicts from the bits. Every such load is a war
 documents at N = 4096 and 8192 and a causal block mask; `.bench/ncu_bm.py`, `.bench/ncu_mma_bm.py`,
 `.bench/ncu_simt_bm.py`):
 
+* the query tile a forward or dQ block runs (`grid_order`'s entry at the end of the row of its grid position):
+  every warp of the block, once (all lanes at one address: one sector);
 * the count: every warp of the block, once, where any key is visible to the block (all lanes at one address: one
   sector); mma.sync's warps also read the first visit's entry before the loop;
 * each visit's entry and slot: each consumer warp (every warp of a CUDA-core block), two loads a visit; mma.sync's
@@ -106,7 +108,8 @@ class ScheduleReads:
             self.blocks, visits = shown.shape[2], shown.shape[3]
         self.classes = classes
         self.axes = partial.shape[:2]  # (batch or 1, heads or 1) of the table
-        self.width = 2 * (visits + 1)  # entries of a block's row of the table
+        # entries of a block's row of the table; a forward's or dQ pass's rows end in `grid_order`'s entry
+        self.width = 2 * (visits + 1) + (kind != "dkdv")
         self.first_slot = (np.cumsum(partial.ravel()) - partial.ravel()).reshape(partial.shape)
         self.words = -(-t.block_n // 32)  # of a row of verdicts on a streamed tile (keys, or dK/dV's query rows)
         cp_async_producer = which == "v5" and kind == "forward" and not t.tma
@@ -141,6 +144,14 @@ class ScheduleReads:
         for _ in range(partials):
             ledger.charge("load", ("verdicts", slot), ("verdicts", self.kind), self._verdict_cost)
             slot += 1
+
+    def charge_grid_tile(self, ledger, b, head, x):
+        """Block ``x`` of a forward or dQ grid's row reading which query tile it runs (`key_tiles.grid_tile`): every
+        warp of the block, once, the last entry of the table's row ``x``."""
+        b, head = index_on(self.axes, 0, b), index_on(self.axes, 1, head)
+        at = (((b * self.axes[1] + head) * self.blocks + x) * self.width + self.width - 1) * ENTRY_BYTES
+        ledger.charge("load", ("grid tile", b, head, x), ("grid tile", self.warps),
+                      lambda: (self.warps * 32, unique_bytes([at], ENTRY_BYTES)))
 
     def _verdict_cost(self):
         """One partial tile's verdict loads by every consumer warp: (requested bytes, distinct bytes); a slot's

@@ -25,7 +25,7 @@ from numba import cuda, types
 
 from ... import masks
 from ...mods import NONE
-from ..blocks import key_block, query_block, tensor_core_backward
+from ..blocks import key_block, query_blocks, tensor_core_backward
 from ..gradients import row_steps, stats_stager, transposed_steps
 from ..intrinsics import cp_async_commit, cp_async_wait_all, cp_async_wait_one
 from ..fragments import fill, fragment_writer
@@ -200,13 +200,15 @@ def build_dq(D, tiles, storage, mods=NONE):
     tile_slot = verdict_slot(mods, BLOCK_M)
     ZERO = types.float32(0)
 
+    query_block = query_blocks(mods)
+
     def attention_backward_dq_mma(q, k, v, dout, lse, delta, dq, scale_log2, left, right, vec, mod):
         # q, dout, dq: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v: (batch, seqlen_k, nheads_kv,
         # headdim); lse, delta: (batch, nheads, seqlen_q)
         # a varlen call's block narrows its operands to its own sequence (`kernels.sequences`)
         q, k, v, dout, lse, delta, dq = operands(mod, cuda.blockIdx.z, q, k, v, dout, lse, delta, dq)
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-        b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
+        b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right, mod)
         if PACKED and row_start < 0:  # past its sequence's query blocks: the grid covers the longest
             return
         bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)

@@ -14,7 +14,7 @@ K and V tiles are double-buffered: while a tile is computed, the next one is in 
 from numba import cuda, types
 
 from ...mods import NONE
-from ..blocks import TENSOR_CORE_FORWARD, query_block, write_hidden_rows
+from ..blocks import TENSOR_CORE_FORWARD, query_blocks, write_hidden_rows
 from ..intrinsics import cp_async_commit, cp_async_wait_all, cp_async_wait_one
 from ..fragments import fragment_writer
 from .tiles import lane_offsets, products, row_stride, stager
@@ -59,13 +59,15 @@ def build(D, tiles, storage, mods=NONE):
     tile_slot = verdict_slot(mods, BLOCK_M)
     SPARSE = mods.block_sparse
 
+    query_block = query_blocks(mods)
+
     def attention_forward_mma(q, k, v, out, lse, scale_log2, left, right, vec, mod):
         # q, out: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v: (batch, seqlen_k, nheads_kv, headdim)
         # lse: (batch, nheads, seqlen_q)
         # a varlen call's block narrows its operands to its own sequence (`kernels.sequences`)
         q, k, v, out, lse = operands(mod, cuda.blockIdx.z, q, k, v, out, lse)
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-        b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
+        b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right, mod)
         if PACKED and row_start < 0:  # past its sequence's query blocks: the grid covers the longest
             return
         bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)

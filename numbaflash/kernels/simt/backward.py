@@ -31,7 +31,7 @@ from numba.cuda.np.numpy_support import from_dtype
 from ... import masks
 from ...mods import NONE
 from .. import elements
-from ..blocks import key_block, query_block
+from ..blocks import key_block, query_blocks
 from ..intrinsics import device_function, group_sum
 from ..fragments import fill
 from ..key_tiles import key_tiles, shown, thread_verdicts
@@ -379,12 +379,14 @@ def build_dq(D, tiles, storage, mods=NONE):
     modifier = modifiers(mods, ACC)
     prepare, logit2, visible, natural = modifier.prepare, modifier.logit2, modifier.visible, modifier.natural
 
+    query_block = query_blocks(mods)
+
     def attention_backward_dq(q, k, v, dout, lse, delta, dq, scale_log2, left, right, vec, mod):
         # q, dout, dq: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim)
         # a varlen call's block narrows its operands to its own sequence (`kernels.sequences`)
         q, k, v, dout, lse, delta, dq = operands(mod, cuda.blockIdx.z, q, k, v, dout, lse, delta, dq)
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-        b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
+        b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right, mod)
         if PACKED and row_start < 0:  # past its sequence's query blocks: the grid covers the longest
             return
         bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)

@@ -30,7 +30,7 @@ from numba.cuda.np.numpy_support import from_dtype
 from ... import masks
 from ...mods import NONE
 from .. import elements
-from ..blocks import query_block, write_hidden_rows
+from ..blocks import query_blocks, write_hidden_rows
 from ..intrinsics import group_max, group_sum
 from ..fragments import fill
 from ..key_tiles import key_tiles, shown, verdict_slot, verdict_word
@@ -86,13 +86,15 @@ def build(D, tiles, storage, mods=NONE):
     signature = (storage_type, storage_type, storage_type, storage_type, types.Array(ACC, 3, "A"), ACC,
                  types.int64, types.int64, types.boolean, kernel_type(mods, ACC))
 
+    query_block = query_blocks(mods)
+
     def attention_forward(q, k, v, out, lse, scale_log2, left, right, vec, mod):
         # q, out: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim)
         # lse: (batch, nheads, seqlen_q)
         # a varlen call's block narrows its operands to its own sequence (`kernels.sequences`)
         q, k, v, out, lse = operands(mod, cuda.blockIdx.z, q, k, v, out, lse)
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-        b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
+        b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right, mod)
         if PACKED and row_start < 0:  # past its sequence's query blocks: the grid covers the longest
             return
         bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)

@@ -16,7 +16,7 @@ barrier per iteration both publishes the landed tiles and frees the stages the c
 from numba import cuda, types
 
 from ...mods import NONE
-from ..blocks import TENSOR_CORE_FORWARD, query_block, write_hidden_rows
+from ..blocks import TENSOR_CORE_FORWARD, query_blocks, write_hidden_rows
 from ..intrinsics import (cp_async_commit, device_function, cp_async_wait_all, fence_proxy_async, shared_address, wgmma_commit,
                          wgmma_fence, wgmma_wait0, wgmma_wait1)
 from ..fragments import fragment_writer
@@ -87,13 +87,15 @@ def build(D, tiles, storage, mods=NONE):
         rescale_o(acc, alpha)
         pack(p, s)
 
+    query_block = query_blocks(mods)
+
     def attention_forward_wgmma(q, k, v, out, lse, scale_log2, left, right, vec, mod):
         # q, out: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v: (batch, seqlen_k, nheads_kv, headdim)
         # lse: (batch, nheads, seqlen_q)
         # a varlen call's block narrows its operands to its own sequence (`kernels.sequences`)
         q, k, v, out, lse = operands(mod, cuda.blockIdx.z, q, k, v, out, lse)
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-        b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
+        b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right, mod)
         if PACKED and row_start < 0:  # past its sequence's query blocks: the grid covers the longest
             return
         bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)

@@ -41,7 +41,7 @@ the producer's first warp (`pipeline.tail_zeroer`).
 from numba import cuda, types
 
 from ...mods import NONE
-from ..blocks import key_block, query_block, tensor_core_backward
+from ..blocks import key_block, query_blocks, tensor_core_backward
 from ..fragments import fill, fragment_writer
 from ..gradients import row_steps
 from ..intrinsics import (bulk_load, device_function, fence_proxy_async, mbarrier_arrive_expect_tx, mbarrier_init,
@@ -452,6 +452,8 @@ def build_dq(D, tiles, storage, mods=NONE):
                 zero_pair(smem, words, base + K_AT + s * TILE, base + V_AT + s * TILE, BLOCK_N, seqlen_k - n_start,
                           full, lane)
 
+    query_block = query_blocks(mods)
+
     def attention_backward_dq_wgmma_ws(q, k, v, dout, lse, delta, dq, scale_log2, left, right, vec, maps, mod):
         # q, dout, dq: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v: (batch, seqlen_k, nheads_kv,
         # headdim); lse: (batch, nheads, seqlen_q), unread; delta: the staged preprocess's stats
@@ -459,7 +461,7 @@ def build_dq(D, tiles, storage, mods=NONE):
             q_seq, q_end, k_seq, k_end = sequence(mod, cuda.blockIdx.z)
             q, k = q[:, q_seq:q_end], k[:, k_seq:k_end]
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-        b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
+        b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right, mod)
         if PACKED and row_start < 0:  # past its sequence's query blocks: the grid covers the longest
             return
         tid = cuda.threadIdx.x

@@ -50,7 +50,7 @@ the next sequence's rows zeroed by the producer's first warp before the consumer
 from numba import cuda, types
 
 from ...mods import NONE
-from ..blocks import TENSOR_CORE_FORWARD, query_block, write_hidden_rows
+from ..blocks import TENSOR_CORE_FORWARD, query_blocks, write_hidden_rows
 from ..intrinsics import (cp_async_mbarrier_arrive, cp_async_wait_all, device_function, fence_proxy_async,
                          mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, named_barrier_arrive,
                          named_barrier_sync, shared_address, tensormap_acquire, warp_uniform, wgmma_commit,
@@ -337,6 +337,8 @@ def build(D, tiles, storage, mods=NONE):
         next_v, next_v_phase = next_stage(v_stage, v_phase)
         return next_k, next_k_phase, next_v, next_v_phase
 
+    query_block = query_blocks(mods)
+
     def attention_forward_wgmma_ws(q, k, v, out, lse, scale_log2, left, right, vec, maps, mod):
         # q, out: (batch, seqlen_q, nheads, headdim) 16-bit words; k, v: (batch, seqlen_k, nheads_kv, headdim)
         # lse: (batch, nheads, seqlen_q)
@@ -344,7 +346,7 @@ def build(D, tiles, storage, mods=NONE):
             q_start, q_end, k_start, k_end = sequence(mod, cuda.blockIdx.z)
             q, k = q[:, q_start:q_end], k[:, k_start:k_end]
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-        b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right)
+        b, h, hk, row_start, row_end, lo, hi = query_block(cuda.blockIdx, q, k, BLOCK_M, left, right, mod)
         if PACKED and row_start < 0:  # past its sequence's query blocks: the grid covers the longest
             return
         bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)
