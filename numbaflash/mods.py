@@ -178,10 +178,24 @@ def check(softcap, alibi_slopes, score_mod, score_mod_grad, mask_mod, mod_args, 
 @functools.lru_cache(maxsize=None)
 def compile_check(fn, name, returns, arg_types):
     """Compile ``fn`` with Numba for the kernels' argument types (on the CPU: the same typing as the CUDA
-    target's for plain arithmetic); TypeError naming the function, its line and Numba's complaint."""
+    target's for plain arithmetic); TypeError naming the function, its line and Numba's complaint.
+
+    A pass is remembered in the disk cache under the function's digest (`kernels.function_keys`): the first
+    CPU compile of a process costs about a second, most of a new process's first call once its kernels are
+    on disk."""
     import numba
     from numba import types
     from numba.core.errors import NumbaError
+
+    from .kernels import disk_cache, function_keys
+
+    try:
+        passed = disk_cache.key(("compile_check", function_keys.digest(fn), name, returns, arg_types,
+                                 numba.__version__))
+    except function_keys.Unkeyable:
+        passed = None
+    if passed is not None and disk_cache.remembered(passed):
+        return
 
     arrays = tuple(types.Array(numba.from_dtype(np.dtype(d)), ndim, "A") for d, ndim in arg_types)
     index = (types.int64,) * SCORE_INDEX_ARGS
@@ -197,6 +211,8 @@ def compile_check(fn, name, returns, arg_types):
     ok = isinstance(got, types.Boolean) if returns == "a bool" else isinstance(got, (types.Float, types.Integer))
     if not ok:
         raise TypeError(f"{name} {_name(fn)} must return {returns}; Numba types its result as {got}")
+    if passed is not None:
+        disk_cache.remember(passed)
 
 
 # -- the same modifications on the host, for the reference (NumPy arrays of (batch, nheads, seqlen_q, seqlen_k))

@@ -197,3 +197,29 @@ def test_a_score_mod_kernel_is_loaded_by_a_new_process_and_never_stale(tmp_path,
     assert max(error, other_error, warm_error) < 1e-2  # a stale kernel: a weight of 1 for 3, errors near 0.1-1
     assert other_entries > entries and warm_entries == other_entries
     assert warm < 1.0 and warm < cold / 2
+
+
+def test_a_function_s_compile_check_is_remembered_under_its_digest(cache_dir, monkeypatch):
+    """`mods.compile_check` passes a function whose digest passed before without compiling it (a new function object
+    of the same code: its per-process cache misses); one that fails is never remembered."""
+    from numbaflash import mods
+
+    first, same, other = (_defined(BIAS_SOURCE, **_bias_scope(scale=scale)) for scale in (0.5, 0.5, 0.25))
+    mods.compile_check(first, "score_mod", "a number", ())
+    assert sum(name.endswith(".ok") for _, _, names in os.walk(cache_dir) for name in names) == 1
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(numba, "njit", refuse)
+    mods.compile_check(same, "score_mod", "a number", ())
+    with pytest.raises(AssertionError, match="compiled again"):  # another constant: another digest
+        mods.compile_check(other, "score_mod", "a number", ())
+    with pytest.raises(AssertionError, match="compiled again"):  # other argument types
+        mods.compile_check(same, "score_mod", "a number", (("float32", 1),))
+    monkeypatch.undo()
+    for _ in range(2):
+        with pytest.raises(TypeError, match="cannot be compiled by Numba"):
+            mods.compile_check(_defined("def f(score, b, h, q_idx, kv_idx):\n    return score + undefined_name\n"),
+                               "score_mod", "a number", ())
+    assert sum(name.endswith(".ok") for _, _, names in os.walk(cache_dir) for name in names) == 1

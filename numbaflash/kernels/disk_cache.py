@@ -8,7 +8,8 @@ GPU's compute capability, and the numba, numba-cuda, NVVM and driver versions.
 
 The directory is ``$NUMBAFLASH_CACHE_DIR``, else ``$XDG_CACHE_HOME/numbaflash``, else
 ``~/.cache/numbaflash``. Entries are written whole or not at all (a temporary file, then a rename); an
-entry whose checksum does not match its cubin is deleted and the kernel is compiled again.
+entry whose checksum does not match its cubin is deleted and the kernel is compiled again. Beside the
+cubins it keeps empty ``.ok`` entries: verdicts that need no content (`remember`).
 """
 
 import functools
@@ -47,8 +48,8 @@ def key(parts):
     return hashlib.sha256(repr((source_digest(), parts)).encode()).hexdigest()
 
 
-def _path(entry):
-    return os.path.join(directory(), entry[:2], entry + ".cubin")
+def _path(entry, suffix=".cubin"):
+    return os.path.join(directory(), entry[:2], entry + suffix)
 
 
 def load(entry):
@@ -87,6 +88,20 @@ def store(entry, entry_name, cubin):
             os.remove(tmp)
         except OSError:
             pass
+
+
+def remember(entry):
+    """Keep a verdict that needs no content (`numbaflash.mods.compile_check`'s pass): an empty entry; a read-only
+    cache is skipped."""
+    try:
+        os.makedirs(os.path.dirname(_path(entry, ".ok")), exist_ok=True)
+        open(_path(entry, ".ok"), "ab").close()
+    except OSError:
+        pass
+
+
+def remembered(entry):
+    return os.path.exists(_path(entry, ".ok"))
 
 
 def remove(entry):
