@@ -84,6 +84,11 @@ def test_a_second_process_loads_the_kernel_instead_of_compiling(tmp_path, monkey
 
 # -- the user's functions: keyed by what Numba compiles of them (`function_keys`)
 
+def _entries(folder, suffix=".cubin"):
+    """How many cache entries of this kind ``folder`` holds."""
+    return sum(name.endswith(suffix) for _, _, names in os.walk(folder) for name in names)
+
+
 def _defined(source, name="f", filename="<user>", **scope):
     """A function compiled from ``source`` in a fresh module scope holding ``scope``."""
     namespace = {"math": math, "np": np, **scope}
@@ -185,7 +190,7 @@ def test_a_score_mod_kernel_is_loaded_by_a_new_process_and_never_stale(tmp_path,
     def run(weight):
         first_call, error = map(float, subprocess.run([sys.executable, "-c", script, str(weight)], capture_output=True,
                                                       text=True, check=True).stdout.split()[-2:])
-        entries = sum(f.endswith(".cubin") for _, _, fs in os.walk(tmp_path) for f in fs)
+        entries = _entries(tmp_path)
         return first_call, error, entries
 
     cold, error, entries = run(1.0)
@@ -206,7 +211,7 @@ def test_a_function_s_compile_check_is_remembered_under_its_digest(cache_dir, mo
 
     first, same, other = (_defined(BIAS_SOURCE, **_bias_scope(scale=scale)) for scale in (0.5, 0.5, 0.25))
     mods.compile_check(first, "score_mod", "a number", ())
-    assert sum(name.endswith(".ok") for _, _, names in os.walk(cache_dir) for name in names) == 1
+    assert _entries(cache_dir, ".ok") == 1
 
     def refuse(*args, **kwargs):
         raise AssertionError("compiled again")
@@ -222,4 +227,4 @@ def test_a_function_s_compile_check_is_remembered_under_its_digest(cache_dir, mo
         with pytest.raises(TypeError, match="cannot be compiled by Numba"):
             mods.compile_check(_defined("def f(score, b, h, q_idx, kv_idx):\n    return score + undefined_name\n"),
                                "score_mod", "a number", ())
-    assert sum(name.endswith(".ok") for _, _, names in os.walk(cache_dir) for name in names) == 1
+    assert _entries(cache_dir, ".ok") == 1

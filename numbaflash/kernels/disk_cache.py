@@ -93,9 +93,10 @@ def store(entry, entry_name, cubin):
 def remember(entry):
     """Keep a verdict that needs no content (`numbaflash.mods.compile_check`'s pass): an empty entry; a read-only
     cache is skipped."""
+    path = _path(entry, ".ok")
     try:
-        os.makedirs(os.path.dirname(_path(entry, ".ok")), exist_ok=True)
-        open(_path(entry, ".ok"), "ab").close()
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        open(path, "ab").close()
     except OSError:
         pass
 
