@@ -22,12 +22,12 @@ One pass times each variant once, at one moment of the GPU's clock and power sta
 by 5-10% between runs (H100, README). ``--rounds`` times every variant once a round, each time right after its base
 kernel, the rounds starting at successive variants, and reports the median of those ratios with their range.
 
-A process compiles each variant's kernels before it times any, and kernels that call the user's functions are not
-cached on disk (`kernels.compiled`): one process timing the backward at headdim 64 ran out of an 8-minute limit
-(H100, 2026-11-28). ``--jobs N`` shares the variants among N processes (each also runs the bases its variants are
-timed against), which compile at the same time, wait for one another, and time one at a time, holding a file lock:
-``--jobs 7 --timing stream --passes forward backward --headdims 64 128 --seqlens 16384 --rounds 3`` took 4.6 minutes
-from cold on the H100's 16 cores. A variant's ratio is to its base timed in its own process.
+A process compiles each variant's kernels before it times any (from an empty disk cache, one process timing the
+backward at headdim 64 ran out of an 8-minute limit: H100, 2026-11-28). ``--jobs N`` shares the variants among N
+processes (each also runs the bases its variants are timed against), which compile at the same time, wait for one
+another, and time one at a time, holding a file lock: ``--jobs 7 --timing stream --passes forward backward --headdims
+64 128 --seqlens 16384 --rounds 3`` took 4.6 minutes from an empty cache on the H100's 16 cores, 4.4 on the H200's. A
+variant's ratio is to its base timed in its own process.
 
 With --flex the same run times torch's FlexAttention (compiled Triton kernels) without and with softcap as a
 score_mod: its softcap's cost over its own plain kernel is the yardstick for numbaflash's.

@@ -34,7 +34,7 @@ def pytest_configure(config):
     markexpr = config.getoption("markexpr") or ""
     GPU_RUN = "gpu" in markexpr and "not gpu" not in markexpr and gpu_count() > 0
     if not GPU_RUN:
-        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"  # simulated launches set their own switch interval
+        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
     if not config.getoption("hypothesis_profile", None):
         settings.load_profile("gpu" if GPU_RUN else "ci")
 

@@ -321,17 +321,3 @@ def test_tensor_core_kernels_sass_has_their_mma_and_no_local_memory(dtype, headd
             assert "HGMMA" in sass and "HMMA" not in sass.replace("HGMMA", ""), launch.kernel
         else:
             assert "HMMA" in sass and "LDSM" in sass, launch.kernel  # mma.sync and ldmatrix
-
-
-def test_a_simulated_launch_restores_the_thread_switch_interval(arrays):
-    """Simulated launches lower Python's switch interval while they run (3.5x faster here) and put it back."""
-    import sys
-
-    to_device, _ = arrays
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(0.004)
-    try:
-        numbaflash.attention(*(to_device(x) for x in inputs(Case(1, 5, 5, 1, 1, 8, "float32"))))
-        assert sys.getswitchinterval() == pytest.approx(0.004)
-    finally:
-        sys.setswitchinterval(before)

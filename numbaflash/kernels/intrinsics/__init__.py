@@ -81,8 +81,11 @@ Hopper (compute capability 9.0, sm_90a; `ptx_hopper`):
 from .target import SIMULATOR, device_function
 
 if SIMULATOR:
+    from . import simulated_blocks
     from .emulated import *  # noqa: F401,F403
     from .emulated_hopper import *  # noqa: F401,F403
+
+    simulated_blocks.install()
 else:
     from .ptx import *  # noqa: F401,F403
     from .ptx_hopper import *  # noqa: F401,F403

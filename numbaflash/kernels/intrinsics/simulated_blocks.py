@@ -1,0 +1,94 @@
+"""A thread block manager for Numba's CUDA simulator that waits instead of polling.
+
+The simulator runs one Python thread per CUDA thread, and its `BlockManager` finds the threads that reached
+``syncthreads`` by looping over all of them until the block ends: a thread that always wants the interpreter
+lock, so every simulated thread shares the CPU with it. `WaitingBlockManager` keeps the same semantics
+(``syncthreads`` releases the block once every thread still running has reached it; the first exception
+aborts the others and is raised) with a condition variable: the last thread to arrive releases the others,
+and the manager sleeps until the block ends. `install` puts it in the simulator; `numbaflash.kernels`
+installs it whenever the simulator is on.
+"""
+
+import threading
+
+import numpy as np
+from numba.cuda.simulator import kernel as simulator
+
+
+class _BlockState:
+    """What a block's threads share: how many still run, how many wait at ``syncthreads``, the barrier's
+    generation, and the first thread that failed."""
+
+    def __init__(self, threads):
+        self.cond = threading.Condition()
+        self.live = threads
+        self.waiting = 0
+        self.generation = 0
+        self.failed = None
+
+    def release_if_all_wait(self):
+        """With ``cond`` held: release ``syncthreads`` when every running thread waits there."""
+        if self.waiting and self.waiting == self.live:
+            self.waiting = 0
+            self.generation += 1
+            self.cond.notify_all()
+
+
+class WaitingThread(simulator.BlockThread):
+    """A simulated thread whose ``syncthreads`` waits on its block's condition variable."""
+
+    def __init__(self, f, manager, blockIdx, threadIdx, debug):
+        super().__init__(f, manager, blockIdx, threadIdx, debug)
+        self._block = manager.state
+
+    def run(self):
+        super().run()  # an exception is kept in self.exception
+        block = self._block
+        with block.cond:
+            block.live -= 1
+            if self.exception is not None and block.failed is None:
+                block.failed = self
+            block.release_if_all_wait()
+            block.cond.notify_all()  # the manager waits for the last thread or the first failure
+
+    def syncthreads(self):
+        block = self._block
+        with block.cond:
+            if block.failed is not None:
+                raise RuntimeError("abort flag set on syncthreads call")
+            generation = block.generation
+            block.waiting += 1
+            block.release_if_all_wait()
+            block.cond.wait_for(lambda: block.generation != generation or block.failed is not None)
+            if block.failed is not None:
+                raise RuntimeError("abort flag set on syncthreads clear")
+
+
+class WaitingBlockManager(simulator.BlockManager):
+    """`simulator.BlockManager` whose ``run`` sleeps until its threads end or one fails."""
+
+    def run(self, grid_point, *args):
+        points = list(np.ndindex(*self._block_dim))
+        self.state = _BlockState(len(points))
+
+        def target():
+            self._f(*args)
+
+        threads = [WaitingThread(target, self, grid_point, point, self._debug) for point in points]
+        for t in threads:
+            t.start()
+        state = self.state
+        with state.cond:
+            state.cond.wait_for(lambda: state.live == 0 or state.failed is not None)
+            failed = state.failed
+        if failed is not None:
+            # as the simulator does: the other threads are told to abort and not joined, so that a debugger
+            # finds them where they were
+            for t in threads:
+                t.abort = True
+            raise failed.exception[0].with_traceback(failed.exception[1])
+
+
+def install():
+    """Make the simulator run thread blocks with `WaitingBlockManager`."""
+    simulator.BlockManager = WaitingBlockManager
