@@ -66,6 +66,15 @@ def arrays(mode):
 
 
 @pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """An empty disk cache for one test (`numbaflash.kernels.disk_cache`)."""
+    from numbaflash.kernels import disk_cache
+
+    monkeypatch.setenv(disk_cache.ENV, str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture
 def poisoned(monkeypatch):
     """Every output numbaflash allocates starts as NaN, so an element a kernel never writes fails."""
     from numbaflash import _arrays

@@ -1,7 +1,8 @@
 """The on-disk cache of compiled kernels: keys (the user's functions' among them), whole writes, corrupt entries, and a
-second process's first call."""
+second process's first call; block masks' evaluations kept beside them."""
 
 import enum
+import functools
 import math
 import os
 import subprocess
@@ -13,16 +14,11 @@ import numpy as np
 import pytest
 
 import numbaflash
+from numbaflash import _arrays, block_sparsity
 from numbaflash.kernels import compiled, disk_cache, function_keys
 from numbaflash.kernels.wgmma import forward as wgmma_forward
 from numbaflash.mods import Mods
 from numbaflash.tiling import WgmmaTiles
-
-
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv(disk_cache.ENV, str(tmp_path))
-    return tmp_path
 
 
 def test_entries_round_trip_and_keys_follow_every_part(cache_dir):
@@ -228,3 +224,75 @@ def test_a_function_s_compile_check_is_remembered_under_its_digest(cache_dir, mo
             mods.compile_check(_defined("def f(score, b, h, q_idx, kv_idx):\n    return score + undefined_name\n"),
                                "score_mod", "a number", ())
     assert _entries(cache_dir, ".ok") == 1
+
+
+def test_an_array_entry_round_trips_and_a_corrupt_one_reads_as_absent(cache_dir):
+    entry = disk_cache.key(("array",))
+    counts = np.arange(12, dtype=np.int32).reshape(1, 1, 3, 4)
+    disk_cache.store_array(entry, counts)
+    stored = disk_cache.load_array(entry)
+    assert stored.dtype == counts.dtype and np.array_equal(stored, counts)
+    path = disk_cache._path(entry, ".npy.z")
+    with open(path, "r+b") as f:
+        f.seek(-2, os.SEEK_END)
+        f.write(b"??")
+    assert disk_cache.load_array(entry) is None and not os.path.exists(path)
+
+
+def same_document_causal(b, h, q_idx, kv_idx, doc):
+    return doc[0, q_idx] == doc[0, kv_idx] and kv_idx <= q_idx
+
+
+def _evaluated(mask_mod, doc, seqlen=100):
+    """What a block mask of ``mask_mod`` over one head computes on the host: classes at a shape summed from the fine
+    tiles and at one evaluated again (24 rows), a forward's and a dK/dV pass's schedules with their bits, and the
+    visible scores under a window."""
+    bm = numbaflash.block_mask(mask_mod, None, None, seqlen, seqlen, mod_args=(doc,))
+    like = _arrays.Operand(doc, "numpy", doc.shape, doc.strides, "int32", -1, 0)
+    tables = bm.key_tiles(32, 16, -1, 0, like) + bm.query_tiles(16, 32, 5, 2, 1, like)
+    return [bm.classify(64, 32), bm.classify(24, 16)] + [t.obj for t in tables] + [bm.visible_scores(7, 3, 1, 1)]
+
+
+def _failing_loops(monkeypatch):
+    """The block masks' host loops replaced by ones that fail (under the loops' names, which the entries hold)."""
+    for loop in ("_counting_loop", "_bits_loop"):
+        @functools.wraps(getattr(block_sparsity, loop))
+        def evaluate(*args):
+            raise AssertionError("the mask was evaluated again")
+
+        monkeypatch.setattr(block_sparsity, loop, evaluate)
+
+
+def test_a_block_mask_s_evaluation_is_loaded_by_a_later_mask_of_the_same_function_and_arguments(cache_dir,
+                                                                                               monkeypatch):
+    """A block mask keeps each evaluation of its mask_mod on disk under the function's digest, the mod_args'
+    values, the sizes and the loop's arguments: a later mask of the same (a new process's, here a new object
+    whose loops would fail) loads every result, equal to the first; other document ids, another function or
+    other sizes evaluate again."""
+    doc = np.repeat(np.arange(3), [20, 33, 47]).astype(np.int32)[None]
+    first = _evaluated(same_document_causal, doc)
+    assert _entries(cache_dir, ".npy.z") >= 4  # fine counts, 24-row counts, both passes' bits, window counts
+    _failing_loops(monkeypatch)
+    again = _evaluated(same_document_causal, doc.copy())
+    for a, b in zip(first, again):
+        assert np.array_equal(a, b)
+    other_ids = np.repeat(np.arange(3), [21, 32, 47]).astype(np.int32)[None]
+    body_changed = _defined("def f(b, h, q_idx, kv_idx, doc):\n    return doc[0, q_idx] == doc[0, kv_idx] and "
+                            "kv_idx < q_idx\n")
+    for mask_mod, ids, seqlen in [(same_document_causal, other_ids, 100), (body_changed, doc, 100),
+                                  (same_document_causal, doc[:, :90], 90)]:
+        with pytest.raises(AssertionError, match="evaluated again"):
+            _evaluated(mask_mod, ids, seqlen)
+
+
+def test_a_block_mask_whose_function_has_no_key_is_evaluated_in_every_process(cache_dir, monkeypatch):
+    """A mask_mod reading a value the digest cannot see into (`function_keys.Unkeyable`) keeps nothing on disk: its
+    evaluation is never loaded, as its kernels are never loaded."""
+    fn = _defined("def f(b, h, q_idx, kv_idx, doc):\n    return kv_idx + Kind.BIAS <= q_idx + 2\n", Kind=Kind)
+    doc = np.zeros((1, 50), np.int32)
+    first = _evaluated(fn, doc, 50)
+    assert _entries(cache_dir, ".npy.z") == 0
+    _failing_loops(monkeypatch)
+    with pytest.raises(AssertionError, match="evaluated again"):
+        _evaluated(fn, doc, 50)
+    assert first[0].shape == (1, 1, 1, 2)

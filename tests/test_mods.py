@@ -799,10 +799,12 @@ def test_a_block_masked_backward_asks_the_mask_mod_nothing(family, arrays, mode)
 
 
 @pytest.mark.parametrize("parallel", [False, True])
-def test_block_classes_summed_from_the_fine_tiles_match_the_mask_evaluated_for_each_shape(parallel, monkeypatch):
+def test_block_classes_summed_from_the_fine_tiles_match_the_mask_evaluated_for_each_shape(parallel, monkeypatch,
+                                                                                          cache_dir):
     """`BlockMask.classify` evaluates the mask once and sums 16 x 16 tiles; a shape it cannot sum (24 rows)
     evaluates the mask again: both agree with counting the visible scores of each tile directly, counted on one
-    core or (as masks of 2^24 scores and more are) on every core."""
+    core or (as masks of 2^24 scores and more are) on every core (in an empty disk cache, which would otherwise hand
+    the second count the first's result)."""
     monkeypatch.setattr(block_sparsity, "PARALLEL_SCORES", 0 if parallel else 2 ** 62)
     doc = np.repeat(np.arange(3), [20, 33, 47]).astype(np.int32)[None]
     bm = numbaflash.block_mask(same_document_causal, None, None, 100, 100, mod_args=(doc,))

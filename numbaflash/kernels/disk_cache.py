@@ -9,14 +9,19 @@ GPU's compute capability, and the numba, numba-cuda, NVVM and driver versions.
 The directory is ``$NUMBAFLASH_CACHE_DIR``, else ``$XDG_CACHE_HOME/numbaflash``, else
 ``~/.cache/numbaflash``. Entries are written whole or not at all (a temporary file, then a rename); an
 entry whose checksum does not match its cubin is deleted and the kernel is compiled again. Beside the
-cubins it keeps empty ``.ok`` entries: verdicts that need no content (`remember`).
+cubins it keeps empty ``.ok`` entries, verdicts that need no content (`remember`), and NumPy arrays (`store_array`:
+a block mask's evaluation, `numbaflash.block_sparsity`).
 """
 
 import functools
 import hashlib
+import io
 import json
 import os
 import tempfile
+import zlib
+
+import numpy as np
 
 ENV = "NUMBAFLASH_CACHE_DIR"
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,26 +59,57 @@ def _path(entry, suffix=".cubin"):
 
 def load(entry):
     """``(entry_name, cubin)`` of a stored kernel, or None (absent; corrupt entries are deleted)."""
-    path = _path(entry)
-    try:
-        with open(path, "rb") as f:
-            header = json.loads(f.readline())
-            cubin = f.read()
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
-        remove(entry)
-        return None
-    if not isinstance(header, dict) or header.get("sha256") != hashlib.sha256(cubin).hexdigest():
-        remove(entry)
-        return None
-    return header["entry_name"], cubin
+    stored = _read(entry, ".cubin")
+    return None if stored is None or "entry_name" not in stored[0] else (stored[0]["entry_name"], stored[1])
 
 
 def store(entry, entry_name, cubin):
-    """Write an entry whole (a reader never sees a partial file); a read-only cache is skipped."""
-    path = _path(entry)
-    header = json.dumps({"entry_name": entry_name, "sha256": hashlib.sha256(cubin).hexdigest()}).encode()
+    """Write a kernel's entry whole (a reader never sees a partial file); a read-only cache is skipped."""
+    _write(entry, ".cubin", {"entry_name": entry_name}, cubin)
+
+
+def load_array(entry):
+    """A stored NumPy array (`store_array`), or None (absent; corrupt entries are deleted)."""
+    stored = _read(entry, ".npy.z")
+    if stored is None:
+        return None
+    try:
+        return np.load(io.BytesIO(zlib.decompress(stored[1])), allow_pickle=False)
+    except (ValueError, zlib.error):
+        remove(entry, ".npy.z")
+        return None
+
+
+def store_array(entry, array):
+    """Keep ``array`` under ``entry`` (``.npy`` bytes, compressed by zlib's fastest level: a block mask's counts
+    are mostly runs of equal values)."""
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    _write(entry, ".npy.z", {}, zlib.compress(buffer.getvalue(), 1))
+
+
+def _read(entry, suffix):
+    """``(header, payload)`` of an entry written by `_write`, or None; a corrupt one is deleted."""
+    try:
+        with open(_path(entry, suffix), "rb") as f:
+            header = json.loads(f.readline())
+            payload = f.read()
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        remove(entry, suffix)
+        return None
+    if not isinstance(header, dict) or header.get("sha256") != hashlib.sha256(payload).hexdigest():
+        remove(entry, suffix)
+        return None
+    return header, payload
+
+
+def _write(entry, suffix, header, payload):
+    """A JSON header line (``header`` and the payload's SHA-256), then ``payload``: written to a temporary file and
+    renamed, so a reader never sees a partial entry; a read-only cache or a full disk leaves none."""
+    path = _path(entry, suffix)
+    line = json.dumps(dict(header, sha256=hashlib.sha256(payload).hexdigest())).encode()
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
@@ -81,9 +117,9 @@ def store(entry, entry_name, cubin):
         return
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(header + b"\n" + cubin)
+            f.write(line + b"\n" + payload)
         os.replace(tmp, path)
-    except OSError:  # a full disk, say: leave no partial file behind
+    except OSError:
         try:
             os.remove(tmp)
         except OSError:
@@ -105,8 +141,8 @@ def remembered(entry):
     return os.path.exists(_path(entry, ".ok"))
 
 
-def remove(entry):
+def remove(entry, suffix=".cubin"):
     try:
-        os.remove(_path(entry))
+        os.remove(_path(entry, suffix))
     except OSError:
         pass
