@@ -21,7 +21,6 @@ interleaved runs, `.bench/bwd_ab.py`).
 
 import contextlib
 import functools
-import hashlib
 import numbers
 import threading
 
@@ -55,7 +54,6 @@ class BlockMask:
         self._unmasked = {}
         self._tables = {}
         self._scores = {}  # (left, right) -> visible scores per (batch or 1, nheads or 1)
-        self._function_key = None  # the mask_mod's digest, False where it has none (`_entry`)
 
     def __repr__(self):
         return (f"BlockMask({self.mask_mod.__qualname__}, batch={self.batch}, nheads={self.nheads}, "
@@ -113,20 +111,19 @@ class BlockMask:
 
     def _entry(self, loop_of, out, rows, cols, left, right):
         """The disk-cache entry of one evaluation: the mask_mod's digest (`kernels.function_keys`), the mod_args'
-        values, the sizes, the loop and its arguments, this module's source; None where the mask_mod is
-        `function_keys.Unkeyable` (it is then evaluated in every process, as its kernels are compiled)."""
-        if self._function_key is None:
-            try:
-                self._function_key = function_keys.digest(self.mask_mod)
-            except function_keys.Unkeyable:
-                self._function_key = False
-        if self._function_key is False:
+        values, the sizes, the loop and its arguments; None where the mask_mod is `function_keys.Unkeyable` (it is
+        then evaluated in every process, as its kernels are compiled)."""
+        if self._mask_digest is None:
             return None
-        return disk_cache.key(("block mask evaluation", _source_digest(), self._function_key,
-                               tuple(_fingerprint(a) for a in self.mod_args),
+        return disk_cache.key(("block mask evaluation", self._mask_digest,
+                               tuple(function_keys.array_key(a) for a in self.mod_args),
                                (self.batch, self.nheads, self.seqlen_q, self.seqlen_k), loop_of.__name__,
                                (rows, cols, left, right), out[0].shape, str(out[0].dtype),
-                               tuple(_fingerprint(a) for a in out[1:])))
+                               tuple(function_keys.array_key(a) for a in out[1:])))
+
+    @functools.cached_property
+    def _mask_digest(self):
+        return function_keys.digest_or_none(self.mask_mod)
 
     def _fine_counts(self):
         """Visible scores per FINE x FINE tile, counted once."""
@@ -284,18 +281,6 @@ def _schedule_row(row, visits, full, first_slot):
     row[0] = n
     row[1:1 + n] = 2 * visits + full
     row[half + 1:half + 1 + n] = np.where(full, -1, first_slot + np.cumsum(~full) - 1)
-
-
-@functools.lru_cache(maxsize=None)
-def _source_digest():
-    """SHA-256 of this module, whose loops fill what `BlockMask._entry` keeps."""
-    with open(__file__, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
-def _fingerprint(array):
-    """An array's dtype, shape and SHA-256 of its values."""
-    return str(array.dtype), array.shape, hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
 
 
 def _tile_counts(values, rows, cols):

@@ -189,11 +189,9 @@ def compile_check(fn, name, returns, arg_types):
 
     from .kernels import disk_cache, function_keys
 
-    try:
-        passed = disk_cache.key(("compile_check", function_keys.digest(fn), name, returns, arg_types,
-                                 numba.__version__))
-    except function_keys.Unkeyable:
-        passed = None
+    fn_digest = function_keys.digest_or_none(fn)
+    passed = None if fn_digest is None else disk_cache.key(("compile_check", fn_digest, name, returns, arg_types,
+                                                            numba.__version__))
     if passed is not None and disk_cache.remembered(passed):
         return
 

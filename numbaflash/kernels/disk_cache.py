@@ -2,8 +2,8 @@
 
 A compile costs about 3 seconds per kernel specialization; Triton and FlashAttention-4 cache theirs, and
 so does numbaflash. An entry is the cubin and its entry point's name, stored under a key that covers
-everything that changes the machine code: the source of every kernel module (`numbaflash.kernels` and
-the mask bounds they share), the specialization (builder, head dim, tiles, dtype, launch bounds), the
+everything that changes the machine code: the source of every kernel module (`numbaflash.kernels`, the
+mask bounds they share and the block-mask tables they read), the specialization (builder, head dim, tiles, dtype, launch bounds), the
 GPU's compute capability, and the numba, numba-cuda, NVVM and driver versions.
 
 The directory is ``$NUMBAFLASH_CACHE_DIR``, else ``$XDG_CACHE_HOME/numbaflash``, else
@@ -37,11 +37,13 @@ def directory():
 
 @functools.lru_cache(maxsize=None)
 def source_digest():
-    """SHA-256 of the kernel sources: every file under ``numbaflash/kernels`` and ``numbaflash/masks.py``."""
+    """SHA-256 of the sources an entry follows from: every file under ``numbaflash/kernels``, ``numbaflash/masks.py``
+    (the mask bounds the kernels share) and ``numbaflash/block_sparsity.py`` (the block-mask tables the kernels read,
+    and the evaluations `store_array` keeps)."""
     digest = hashlib.sha256()
     kernels = os.path.join(_PACKAGE, "kernels")
     paths = [os.path.join(root, name) for root, _, names in os.walk(kernels) for name in names if name.endswith(".py")]
-    for path in sorted(paths) + [os.path.join(_PACKAGE, "masks.py")]:
+    for path in sorted(paths) + [os.path.join(_PACKAGE, name) for name in ("masks.py", "block_sparsity.py")]:
         digest.update(os.path.relpath(path, _PACKAGE).encode())
         with open(path, "rb") as f:
             digest.update(f.read())
@@ -49,7 +51,7 @@ def source_digest():
 
 
 def key(parts):
-    """The entry name of a specialization: ``parts`` (a tuple of reprs) with the kernel sources' digest."""
+    """The entry name of a specialization: ``parts`` (a tuple of reprs) with the sources' digest (`source_digest`)."""
     return hashlib.sha256(repr((source_digest(), parts)).encode()).hexdigest()
 
 
@@ -60,7 +62,7 @@ def _path(entry, suffix=".cubin"):
 def load(entry):
     """``(entry_name, cubin)`` of a stored kernel, or None (absent; corrupt entries are deleted)."""
     stored = _read(entry, ".cubin")
-    return None if stored is None or "entry_name" not in stored[0] else (stored[0]["entry_name"], stored[1])
+    return None if stored is None else (stored[0]["entry_name"], stored[1])
 
 
 def store(entry, entry_name, cubin):

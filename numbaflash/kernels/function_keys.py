@@ -34,6 +34,20 @@ def digest(fn):
     return hashlib.sha256(repr((sys.implementation.cache_tag, parts)).encode()).hexdigest()
 
 
+def digest_or_none(fn):
+    """`digest`, or None where ``fn`` is `Unkeyable` (what depends on it is then never kept on disk)."""
+    try:
+        return digest(fn)
+    except Unkeyable:
+        return None
+
+
+def array_key(v):
+    """A NumPy array's key: its dtype, shape and the SHA-256 of its values in C order (not its strides: equal values
+    index alike, and a unit axis's stride varies with how the array was made)."""
+    return ("ndarray", v.dtype.str, v.shape, hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest())
+
+
 def mods_key(mods):
     """``(key, None)``: the user's functions of a `numbaflash.mods.Mods` as a tuple for `disk_cache.key`
     (each function's slot and digest), or ``(None, reason)`` where one of them is `Unkeyable`."""
@@ -108,8 +122,7 @@ class _Digest:
         if isinstance(v, np.generic):
             return ("numpy scalar", v.dtype.str, v.tobytes())
         if isinstance(v, np.ndarray):
-            return ("ndarray", v.dtype.str, v.shape, v.strides, v.flags.c_contiguous, v.flags.f_contiguous,
-                    hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest())
+            return array_key(v)
         if isinstance(v, tuple):
             fields = getattr(type(v), "_fields", None)
             kind = ("namedtuple", type(v).__qualname__, fields) if fields is not None else ("tuple",)

@@ -42,13 +42,9 @@ class _BlockState:
 class WaitingThread(simulator.BlockThread):
     """A simulated thread whose ``syncthreads`` waits on its block's condition variable."""
 
-    def __init__(self, f, manager, blockIdx, threadIdx, debug):
-        super().__init__(f, manager, blockIdx, threadIdx, debug)
-        self._block = manager.state
-
     def run(self):
         super().run()  # an exception is kept in self.exception
-        block = self._block
+        block = self._manager.state
         with block.cond:
             block.live -= 1
             if self.exception is not None and block.failed is None:
@@ -57,7 +53,7 @@ class WaitingThread(simulator.BlockThread):
             block.cond.notify_all()  # the manager waits for the last thread or the first failure
 
     def syncthreads(self):
-        block = self._block
+        block = self._manager.state
         with block.cond:
             if block.failed is not None:
                 raise RuntimeError("abort flag set on syncthreads call")
