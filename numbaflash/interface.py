@@ -68,7 +68,7 @@ class Call:
         return tiling.accumulator(self.dtype)
 
 
-def _check_scale(softmax_scale, headdim):
+def _check_scale(softmax_scale, headdim, dtype):
     if softmax_scale is None:
         return 1.0 / math.sqrt(headdim)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float, np.floating, np.integer)):
@@ -76,7 +76,27 @@ def _check_scale(softmax_scale, headdim):
     scale = float(softmax_scale)
     if not math.isfinite(scale):
         raise ValueError(f"softmax_scale must be a finite number (any sign, as in flash-attn); got {softmax_scale!r}")
+    accumulator = tiling.accumulator(dtype)
+    largest = float(np.finfo(accumulator).max) / LOG2E
+    if abs(scale) > largest:  # the kernels' scale, softmax_scale * log2(e) in the accumulator type, would be inf
+        raise ValueError(f"softmax_scale must be at most {largest:.4g} in magnitude for {dtype} inputs, whose scores "
+                         f"the kernels scale by softmax_scale * log2(e) in {accumulator}; got {softmax_scale!r}")
     return scale
+
+
+def _check_softcap(softcap, scale, dtype):
+    """A softcap whose values the kernels hold in the accumulator type: softcap * log2(e), the softmax's scale of
+    capped scores, and softmax_scale / softcap, tanh's argument's (a subnormal softcap's reciprocal is inf in
+    float32, and tanh(0 * inf) NaN)."""
+    if softcap == 0:
+        return
+    accumulator = tiling.accumulator(dtype)
+    limits = np.finfo(accumulator)
+    low, high = max(float(limits.tiny), abs(scale) / float(limits.max)), float(limits.max) / LOG2E
+    if not low <= softcap <= high:
+        raise ValueError(f"softcap must be 0 (off) or between {low:.4g} and {high:.4g} for {dtype} inputs with "
+                         f"softmax_scale {scale:.4g}: the kernels hold softcap * log2(e) and softmax_scale / softcap "
+                         f"in {accumulator}; got {softcap!r}")
 
 
 NAMES = ("q", "k", "v")
@@ -139,7 +159,7 @@ def inspect(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), nam
         raise ValueError(f"headdim must be between 1 and {MAX_HEADDIM}; got {headdim}")
     arguments.flag(causal, "causal")
     left, right = masks.normalize_window(causal, arguments.window(window_size))
-    scale = _check_scale(softmax_scale, headdim)
+    scale = _check_scale(softmax_scale, headdim, dtypes[0])
     call = Call(*ops, batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, dtypes[0], scale, left, right, single_head)
     modifications = {**MODIFICATIONS, **(modifications or {})}
     block = modifications.pop("block_mask")
@@ -147,6 +167,7 @@ def inspect(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), nam
         modifications["mask_mod"] = _check_block_mask(block, modifications["mask_mod"], call)
     modified, softcap, slopes, mod_args = check_mods(**modifications, describe=_boundary_array(call), batch=batch,
                                                      nheads=nheads, backward=backward)
+    _check_softcap(softcap, scale, dtypes[0])
     if block is not None:
         modified = dataclasses.replace(modified, block_sparse=True)
     call.block_mask = block
@@ -307,11 +328,14 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
             Any strides are read in place (q, k, v sliced from a packed qkv tensor need no copy).
             float16, bfloat16, float32 or float64, all the same; headdim from 1 to 256.
         causal: bottom-right aligned causal mask (flash-attn >= 2.1 semantics, see `numbaflash.reference`).
-        softmax_scale: scale of QK^T before the softmax, any finite float; default ``1 / sqrt(headdim)``.
+        softmax_scale: scale of QK^T before the softmax, any finite float whose product with log2(e) float32
+            holds (float64 for float64 inputs); default ``1 / sqrt(headdim)``.
         window_size: ``(left, right)`` sliding window, -1 for unbounded; causal sets right = 0.
         return_lse: also return the log-sum-exp of each row.
         plan: a `plan(...)` for this call, to choose the kernel's blocks explicitly.
-        softcap: scores become ``softcap * tanh(score / softcap)`` after scaling; 0 (the default) is off.
+        softcap: scores become ``softcap * tanh(score / softcap)`` after scaling; 0 (the default) is off;
+            else at least float32's smallest normal and softmax_scale / float32's largest, at most float32's
+            largest over log2(e) (float64's for float64 inputs).
         alibi_slopes: float32 ``(nheads,)`` or ``(batch, nheads)``: adds ``-slope * |i + seqlen_k - seqlen_q - j|``
             to the score of query i and key j.
         score_mod: ``score_mod(score, b, h, q_idx, kv_idx, *mod_args)``, a Python function Numba compiles into

@@ -126,7 +126,9 @@ def _inspect(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ca
     cu_ops, batch = _check_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_op, totals)
     views = [_arrays.batch_view(x, batch) for x in (q, k, v)]
     call = interface.inspect(*views, causal, softmax_scale, window_size, modifications=modifications, backward=backward)
-    call.seqlen_q, call.seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+    # The grid covers max_seqlen, but no sequence is longer than its packed total: a larger bound (flash-attn takes
+    # any) would launch blocks that all return at once, up to a grid the GPU refuses.
+    call.seqlen_q, call.seqlen_k = min(int(max_seqlen_q), totals[0]), min(int(max_seqlen_k), totals[1])
     call.memo = _packed_memo(call.memo, call.seqlen_q, call.seqlen_k)
     call.mods = call.remembered("packed mods", lambda: dataclasses.replace(call.mods, packed=True))
     call.mod_values = tuple(cu_ops) + call.mod_values  # `kernels.mods.values`'s order
@@ -150,7 +152,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q (and likewise of k, v). Checked on the host,
             which copies them there (a synchronization on the GPU; a torch tensor is copied again only
             once torch has written to it).
-        max_seqlen_q, max_seqlen_k: at least the longest sequence's lengths (the grid covers them).
+        max_seqlen_q, max_seqlen_k: at least the longest sequence's lengths (the grid covers them, or the packed
+            totals where those are shorter).
         plan: ``numbaflash.tiling.make_plan(num_sequences, nheads, nheads_kv, max_seqlen_q, max_seqlen_k,
             headdim, dtype, tiles=..., packed=True)``, to choose the kernel's blocks explicitly.
         causal, softmax_scale, window_size, return_lse, softcap, alibi_slopes, score_mod, score_mod_grad,

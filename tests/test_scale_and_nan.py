@@ -1,4 +1,6 @@
-"""Any finite softmax_scale (negative and zero, as flash-attn takes) and NaN inputs, in every kernel family.
+"""Any finite softmax_scale (negative and zero, as flash-attn takes; at most float32's largest over log2(e) in
+magnitude for inputs the kernels compute in float32), softcap at the ends of its range, and NaN inputs, in every
+kernel family.
 
 A negative scale makes the largest scaled score the smallest raw one: the tensor-core forwards, which
 take the row maximum of raw scores, negate them first (`kernels.softmax`); the CUDA-core kernels scale Q
@@ -6,11 +8,14 @@ before the product. A NaN in q, k or v must reach out and LSE as NaN, as in the 
 into a row that "saw no key" (out = 0, LSE = -inf).
 """
 
+import math
+
 import numpy as np
 import pytest
 
 import numbaflash
-from cases import Case, check_backward, check_forward, inputs
+from cases import (NP_DTYPES, Case, assert_close_as_flash_attn, check_backward, check_forward, inputs, naive_forward,
+                   reference_forward)
 from numbaflash import reference, tiling
 from numbaflash.tiling import SIMULATOR_MMA_TILES, SIMULATOR_WGMMA_TILES, WgmmaTiles
 
@@ -75,3 +80,37 @@ def test_a_scale_that_is_not_finite_is_refused(scale):
     q = np.zeros((4, 8), np.float32)
     with pytest.raises(ValueError, match="softmax_scale must be a finite number"):
         numbaflash.attention(q, q, q, softmax_scale=scale)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_a_scale_beyond_the_accumulators_range_is_refused(dtype):
+    """The kernels scale scores by softmax_scale * log2(e) in float32 for these inputs: a larger scale would be inf
+    there, and every score with it. float64 inputs, computed in float64, take it."""
+    q = np.zeros((4, 8), NP_DTYPES[dtype])
+    with pytest.raises(ValueError, match=rf"softmax_scale must be at most 2.359e\+38 in magnitude for {dtype}"):
+        numbaflash.attention(q, q, q, softmax_scale=-2.4e38)
+    q64 = np.zeros((4, 8), np.float64)
+    assert numbaflash.plan(q64, q64, q64, softmax_scale=-2.4e38) is not None
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("end", ["least", "most"])
+def test_softcap_at_the_ends_of_its_range(family, end, arrays):
+    """The least softcap the boundary takes (float32's smallest normal) keeps softmax_scale / softcap finite in
+    float32, the most (float32's largest over log2(e)) softcap * log2(e): a score of exactly 0 (a query row of
+    zeros) and every other stays finite, under flash-attn's rule. A subnormal softcap made that row NaN
+    (tanh(0 * inf)), and a softcap of 3e38 every row of the tensor-core kernels."""
+    dtype, tiles = FAMILIES[family]
+    to_device, to_host = arrays
+    limits = np.finfo(np.float32)
+    softcap = float(limits.tiny) if end == "least" else float(limits.max) / math.log2(math.e) * (1 - 1e-7)
+    case = Case(1, 24, 24, 1, 1, 32, dtype, softmax_scale=0.5, seed=8, modifications=dict(softcap=softcap))
+    q, k, v = inputs(case)
+    q[0, 5] = 0
+    out, lse = forward_of(case, tiles)(*(to_device(x) for x in (q, k, v)), softmax_scale=case.scale, softcap=softcap,
+                                       return_lse=True)
+    out, lse = to_host(out), to_host(lse)
+    want_out, want_lse = reference_forward(q, k, v, case)
+    naive_out, _ = naive_forward(q, k, v, case)
+    assert np.isfinite(lse).all() and np.isfinite(out.astype(np.float32)).all()
+    assert_close_as_flash_attn("out", out, naive_out, want_out, dtype, case)

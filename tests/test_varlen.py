@@ -219,6 +219,16 @@ def test_bad_varlen_arguments_are_refused(change, error, match):
         numbaflash.attention_varlen(**args)
 
 
+def test_a_max_seqlen_past_the_packed_total_runs_the_totals_grid():
+    """flash-attn takes any max_seqlen at least the longest sequence's; the grid covers the packed totals at most
+    (2^40 rows made the simulator's grid, and a GPU's, out of reach)."""
+    q, k, v, cu = _packed("float32")
+    want = numbaflash.attention_varlen(q, k, v, *cu, 4, 5, return_lse=True)
+    got = numbaflash.attention_varlen(q, k, v, *cu, 2**40, 2**40, return_lse=True)
+    for name, a, b in zip(("out", "lse"), got, want):
+        assert np.array_equal(a, b), f"{name}: max error {np.nanmax(np.abs(a - b))}"
+
+
 def test_bad_varlen_backward_arguments_are_refused():
     q, k, v, cu = _packed("float32")
     out, lse = numbaflash.attention_varlen(q, k, v, *cu, 4, 5, return_lse=True)
