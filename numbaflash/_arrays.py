@@ -19,7 +19,7 @@ from .kernels.intrinsics import SIMULATOR
 class Operand:
     """One array argument, described without touching its data."""
 
-    obj: object
+    obj: object  # the caller's array; for a GPU `batch_operand`, the packed array its shape and strides view
     kind: str  # "numpy", "cupy", "torch" or "cai"
     shape: tuple
     strides: tuple  # bytes
@@ -106,6 +106,9 @@ def describe(x, name):
         return Operand(x, "numpy", x.shape, x.strides, _dtype_name(x.dtype), -1, x.ctypes.data)
     if module == "cupy":
         return Operand(x, "cupy", x.shape, x.strides, _dtype_name(x.dtype), x.device.id, x.data.ptr)
+    if SIMULATOR and is_device_array(x):  # no device memory to read, nor a driver to ask whose it is
+        raise TypeError(f"{name} is a GPU array, but the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) runs on NumPy "
+                        f"arrays: pass NumPy arrays; got {type(x).__module__}.{type(x).__name__}")
     if hasattr(x, "__cuda_array_interface__"):
         cai = x.__cuda_array_interface__
         dtype = np.dtype(cai["typestr"])
@@ -160,6 +163,16 @@ def batch_view(x, batch):
     op = describe(x, "array")
     interface = dict(x.__cuda_array_interface__, shape=(batch,) + op.shape, strides=(0,) + op.strides)
     return _Interface(interface)
+
+
+def batch_operand(op, batch):
+    """`batch_view` of an Operand, as an Operand: on the GPU its shape and strides with the batch axis before them,
+    the same memory, without asking the array's library for a view and describing that (a torch tensor's expand
+    and `describe` took a varlen call's host path about 15 us an operand); the simulator's kernels take the
+    NumPy view itself (`Operand.kernel_view`)."""
+    if op.kind == "numpy":
+        return describe(batch_view(op.obj, batch), "array")
+    return Operand(op.obj, op.kind, (batch,) + op.shape, (0,) + op.strides, op.dtype, op.device, op.ptr)
 
 
 def to_host(op):

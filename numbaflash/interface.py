@@ -102,6 +102,16 @@ def _check_softcap(softcap, scale, dtype):
 NAMES = ("q", "k", "v")
 
 
+def describe_operands(q, k, v, names=NAMES):
+    """q, k, v as `_arrays.Operand`s; TypeError where host and device arrays mix or one is not an array."""
+    nq, nk, nv = names
+    on_host = [isinstance(x, np.ndarray) for x in (q, k, v)]
+    on_device = [not h and _arrays.is_device_array(x) for h, x in zip(on_host, (q, k, v))]
+    if any(on_host) and any(on_device):
+        raise TypeError(f"{nq}, {nk}, {nv} mix host (NumPy) and device arrays; pass all three on the GPU")
+    return [_arrays.describe(x, n) for x, n in zip((q, k, v), names)]
+
+
 def inspect(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), names=NAMES, modifications=None,
             backward=False):
     """Validate a call and describe it; ValueError/TypeError messages name the problem and what is accepted.
@@ -109,12 +119,14 @@ def inspect(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), nam
     ``modifications``: the keyword arguments of `MODIFICATIONS` (`numbaflash.mods`); ``backward``: whether
     the call differentiates through them.
     """
+    return inspect_operands(describe_operands(q, k, v, names), causal, softmax_scale, window_size, names,
+                            modifications, backward)
+
+
+def inspect_operands(ops, causal=False, softmax_scale=None, window_size=(-1, -1), names=NAMES, modifications=None,
+                     backward=False):
+    """`inspect` of q, k, v already described (`describe_operands`, or a varlen call's batch views of them)."""
     nq, nk, nv = names
-    on_host = [isinstance(x, np.ndarray) for x in (q, k, v)]
-    on_device = [not h and _arrays.is_device_array(x) for h, x in zip(on_host, (q, k, v))]
-    if any(on_host) and any(on_device):
-        raise TypeError(f"{nq}, {nk}, {nv} mix host (NumPy) and device arrays; pass all three on the GPU")
-    ops = [_arrays.describe(x, n) for x, n in zip((q, k, v), names)]
     layout, mod_arrays = (call_cache.key(ops, causal, softmax_scale, window_size, modifications, backward)
                           if names == NAMES else (None, None))
     known = call_cache.get(layout)
@@ -552,10 +564,11 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     for op, name, got in zip(ops, ("dout", "out"), shown):
         _check_like(op, call.q, name, "q", (q_shown, got))
     want_lse = (call.batch, call.nheads, call.seqlen_q)
-    if lse_op.shape != want_lse or lse_op.dtype != call.lse_dtype:
+    if (lse_op.shape != want_lse or lse_op.dtype != call.lse_dtype or lse_op.kind != call.q.kind
+            or lse_op.device != call.device):
         want_shown = want_lse[2:] if call.single_head else want_lse
-        raise ValueError(f"lse must be attention's log-sum-exp: shape {want_shown}, dtype {call.lse_dtype}; "
-                         f"got shape {shown[2]}, dtype {lse_op.dtype}")
+        raise ValueError(f"lse must be attention's log-sum-exp: shape {want_shown}, dtype {call.lse_dtype} on q's "
+                         f"device; got shape {shown[2]}, dtype {lse_op.dtype}")
     with _device_context(call):
         arguments.flag(deterministic, "deterministic")
         plan = (_check_plan(plan, call, "backward") if plan is not None else

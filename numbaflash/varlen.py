@@ -121,11 +121,12 @@ def _inspect(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ca
         if len(getattr(x, "shape", ())) != 3:
             raise ValueError(f"{name} must be 3-D, packed sequences (total_{'q' if name == 'q' else 'k'}, nheads, "
                              f"headdim) as in flash-attn's varlen functions; got shape {tuple(getattr(x, 'shape', ()))}")
-    q_op = _arrays.describe(q, "q")
-    totals = (q_op.shape[0], _arrays.describe(k, "k").shape[0])
-    cu_ops, batch = _check_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_op, totals)
-    views = [_arrays.batch_view(x, batch) for x in (q, k, v)]
-    call = interface.inspect(*views, causal, softmax_scale, window_size, modifications=modifications, backward=backward)
+    ops = interface.describe_operands(q, k, v)
+    totals = (ops[0].shape[0], ops[1].shape[0])
+    cu_ops, batch = _check_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ops[0], totals)
+    views = [_arrays.batch_operand(op, batch) for op in ops]
+    call = interface.inspect_operands(views, causal, softmax_scale, window_size, modifications=modifications,
+                                      backward=backward)
     # The grid covers max_seqlen, but no sequence is longer than its packed total: a larger bound (flash-attn takes
     # any) would launch blocks that all return at once, up to a grid the GPU refuses.
     call.seqlen_q, call.seqlen_k = min(int(max_seqlen_q), totals[0]), min(int(max_seqlen_k), totals[1])
@@ -173,11 +174,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     with interface._device_context(call):
         plan = (interface._check_plan(plan, call, "forward", lse=return_lse) if plan is not None
                 else interface._plan_for(call, backward=False, lse=return_lse))
-        out = _arrays.empty(call.q, (packed.total_q, call.nheads, call.headdim), call.dtype)
-        lse = _arrays.empty(call.q, (call.nheads, packed.total_q), call.lse_dtype)
-        views = [_arrays.describe(_arrays.batch_view(x, call.batch), n) for x, n in ((out, "out"), (lse, "lse"))]
-        interface.run_forward(call, plan, *views)
-    return (out, lse) if return_lse else out
+        out = _arrays.output(call.q, (packed.total_q, call.nheads, call.headdim), call.dtype, "out")
+        lse = _arrays.output(call.q, (call.nheads, packed.total_q), call.lse_dtype, "lse")
+        interface.run_forward(call, plan, *(_arrays.batch_operand(x, call.batch) for x in (out, lse)))
+    return (out.obj, lse.obj) if return_lse else out.obj
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -200,36 +200,32 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                       backward=True)
     call = packed.call
     q_shape = (packed.total_q, call.nheads, call.headdim)
-    for x, name in ((dout, "dout"), (out, "out")):
-        op = _arrays.describe(x, name)
+    dout_op, out_op = (_arrays.describe(x, name) for x, name in ((dout, "dout"), (out, "out")))
+    for op, name in ((dout_op, "dout"), (out_op, "out")):
         if op.shape != q_shape or op.dtype != call.dtype or op.kind != call.q.kind or op.device != call.device:
             raise ValueError(f"{name} must match q: shape {q_shape}, dtype {call.dtype} on the same device; got "
                              f"shape {op.shape}, dtype {op.dtype}")
     lse_op = _arrays.describe(lse, "lse")
     want_lse = (call.nheads, packed.total_q)
-    if lse_op.shape != want_lse or lse_op.dtype != call.lse_dtype:
-        raise ValueError(f"lse must be attention_varlen's log-sum-exp: shape {want_lse}, dtype {call.lse_dtype}; got "
-                         f"shape {lse_op.shape}, dtype {lse_op.dtype}")
+    if (lse_op.shape != want_lse or lse_op.dtype != call.lse_dtype or lse_op.kind != call.q.kind
+            or lse_op.device != call.device):
+        raise ValueError(f"lse must be attention_varlen's log-sum-exp: shape {want_lse}, dtype {call.lse_dtype} on "
+                         f"q's device; got shape {lse_op.shape}, dtype {lse_op.dtype}")
     with interface._device_context(call):
         plan = (interface._check_plan(plan, call, "backward") if plan is not None
                 else interface._plan_for(call, backward=True))
-        dq = _arrays.empty(call.q, q_shape, call.dtype)
-        dk = _arrays.empty(call.q, (packed.total_k, call.nheads_kv, call.headdim), call.dtype)
-        dv = _arrays.empty(call.q, (packed.total_k, call.nheads_kv, call.headdim), call.dtype)
-
-        def views(batch, *named):
-            return [_arrays.describe(_arrays.batch_view(x, batch), n) for x, n in named]
-
+        k_shape = (packed.total_k, call.nheads_kv, call.headdim)
+        dq, dk, dv = (_arrays.output(call.q, shape, call.dtype, name)
+                      for shape, name in ((q_shape, "dq"), (k_shape, "dk"), (k_shape, "dv")))
         if plan.staged_statistics:  # v5: a staged preprocess locates each sequence's rows itself
-            delta_op = _arrays.describe(_arrays.empty(call.q, tiling.packed_delta_shape(plan, packed.total_q),
-                                                      call.lse_dtype), "delta")
+            delta_op = _arrays.output(call.q, tiling.packed_delta_shape(plan, packed.total_q), call.lse_dtype, "delta")
             preprocess = None
         else:  # the preprocess works row by row: the packed rows as one batch element
-            delta = _arrays.empty(call.q, want_lse, call.lse_dtype)
-            preprocess = (*views(1, (out, "out"), (dout, "dout"), (delta, "delta")),
+            delta = _arrays.output(call.q, want_lse, call.lse_dtype, "delta")
+            preprocess = (*(_arrays.batch_operand(x, 1) for x in (out_op, dout_op, delta)),
                           tiling.preprocess_grid(packed.total_q, call.nheads, 1))
-            (delta_op,) = views(call.batch, (delta, "delta"))
-        dout_op, lse_op, out_op, dq_op, dk_op, dv_op = views(
-            call.batch, (dout, "dout"), (lse, "lse"), (out, "out"), (dq, "dq"), (dk, "dk"), (dv, "dv"))
-        interface.run_backward(call, plan, dout_op, lse_op, out_op, delta_op, dq_op, dk_op, dv_op, preprocess)
+            delta_op = _arrays.batch_operand(delta, call.batch)
+        views = [_arrays.batch_operand(x, call.batch) for x in (dout_op, lse_op, out_op, dq, dk, dv)]
+        interface.run_backward(call, plan, *views[:3], delta_op, *views[3:], preprocess)
+    dq, dk, dv = dq.obj, dk.obj, dv.obj
     return dq, dk, dv

@@ -5,6 +5,7 @@ import pytest
 
 import numbaflash
 from numbaflash import _arrays
+from numbaflash.kernels.intrinsics import SIMULATOR
 
 
 def qkv(q_shape=(1, 8, 2, 16), kv_shape=(1, 8, 2, 16), dtype=np.float32):
@@ -65,6 +66,7 @@ def test_host_and_device_arrays_mixed():
 
 
 def test_arrays_on_different_gpus(monkeypatch):
+    monkeypatch.setattr(_arrays, "SIMULATOR", False)  # GPU arrays reach their description (the simulator refuses them)
     monkeypatch.setattr(_arrays, "_device_of", lambda ptr: ptr // 1024)
     q, k, v = (FakeDeviceArray((1, 8, 2, 16), device * 1024) for device in (0, 1, 0))
     with pytest.raises(ValueError, match=r"on different GPUs \(0, 1, 0\)"):
@@ -152,8 +154,8 @@ def test_a_two_dimensional_backward_takes_two_dimensional_gradients():
     with pytest.raises(ValueError, match=r"dout must match q: shape \(8, 16\), dtype float32 on the same device; "
                                          r"got shape \(8, 16\), dtype float64"):
         numbaflash.attention_backward(np.ones(out.shape), q, k, v, out, lse)
-    with pytest.raises(ValueError, match=r"lse must be attention's log-sum-exp: shape \(8,\), dtype float32; "
-                                         r"got shape \(8,\), dtype float64"):
+    with pytest.raises(ValueError, match=r"lse must be attention's log-sum-exp: shape \(8,\), dtype float32 on "
+                                         r"q's device; got shape \(8,\), dtype float64"):
         numbaflash.attention_backward(np.ones_like(out), q, k, v, out, lse.astype(np.float64))
 
 
@@ -167,6 +169,29 @@ def test_backward_gradients_must_be_arrays(shape, bad, name):
     given[name] = given[name].tolist() if bad == "list" else bad
     with pytest.raises(TypeError, match=f"^{name} must be"):
         numbaflash.attention_backward(given["dout"], q, k, v, given["out"], given["lse"])
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the simulator's refusal of GPU arrays")
+def test_the_simulator_refuses_gpu_arrays_by_name():
+    """A GPU array on the simulator has no memory to read there: TypeError naming it, for q, k, v and for the
+    backward's own arrays (an lse of __cuda_array_interface__ reached the driver's pointer query, an ImportError)."""
+    q, k, v = qkv()
+    fake = [FakeDeviceArray(x.shape, 0x7000_0000 + i * 0x10000) for i, x in enumerate((q, k, v))]
+    with pytest.raises(TypeError, match="q is a GPU array, but the CUDA simulator .* runs on NumPy arrays"):
+        numbaflash.attention(*fake)
+    out, lse = numbaflash.attention(q, k, v, return_lse=True)
+    with pytest.raises(TypeError, match="lse is a GPU array, but the CUDA simulator"):
+        numbaflash.attention_backward(np.ones_like(out), q, k, v, out, FakeDeviceArray(lse.shape, 0x7000_0000))
+
+
+@pytest.mark.gpu
+def test_the_backward_takes_lse_of_qs_library():
+    """An lse of another library than q's (here CuPy's beside torch's) is refused, as dout and out are."""
+    torch, cupy = pytest.importorskip("torch"), pytest.importorskip("cupy")
+    q, k, v = (torch.tensor(x, device="cuda") for x in qkv())
+    out, lse = numbaflash.attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match="lse must be attention's log-sum-exp: .* on q's device"):
+        numbaflash.attention_backward(torch.ones_like(out), q, k, v, out, cupy.asarray(lse))
 
 
 def test_the_torch_function_takes_torch_tensors():
