@@ -20,8 +20,9 @@ without a mask_mod, at a visible pair's indices, its result dropped (`gradients`
   division and no load of the slopes.
 * ``prepare_for(bh, h_of_bh, b, h, mod)``: ``bh`` as `prepare` gives it for head ``h``, where ``bh`` was prepared
   for head ``h_of_bh``: the same unless the head changed. The dK/dV passes visit their GQA group's heads one
-  after another (`query_tiles`), so a tile pays a comparison: `prepare` on every tile loaded ALiBi's slope and
-  worked out its index there, about 100 warp instructions a tile in v5's dK/dV kernel at headdim 64 (ncu, H200).
+  after another (`query_tiles`), so a tile pays a comparison where `prepare` on every tile loaded ALiBi's slope
+  from global memory and worked out its index (part of the 100 warp instructions a tile that v5's ALiBi dK/dV
+  kernel at headdim 64 ran beyond its score loops, ncu on the H200; docs/modifications.md).
 * ``logit(x, b, h, row, key, distance, bh)``: the modified natural-log score; ``distance`` is ALiBi's
   ``|row + seqlen_k - seqlen_q - key|`` as a float, which the kernels compute per row once and offset by
   constants per element (an int-to-float conversion per score ran at an eighth of the FMA rate).
