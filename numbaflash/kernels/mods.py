@@ -18,11 +18,6 @@ without a mask_mod, at a visible pair's indices, its result dropped (`gradients`
 * ``prepare(b, h, mod)``: what the functions below read for batch element ``b`` and head ``h`` (``bh``):
   the cap and its reciprocal, the head's slope, the user's mod_args; once per head, so a score pays no
   division and no load of the slopes.
-* ``prepare_for(bh, h_of_bh, b, h, mod)``: ``bh`` as `prepare` gives it for head ``h``, where ``bh`` was prepared
-  for head ``h_of_bh``: the same unless the head changed. The dK/dV passes visit their GQA group's heads one
-  after another (`query_tiles`), so a tile pays a comparison where `prepare` on every tile loaded ALiBi's slope
-  from global memory and worked out its index (part of the 100 warp instructions a tile that v5's ALiBi dK/dV
-  kernel at headdim 64 ran beyond its score loops, ncu on the H200; docs/modifications.md).
 * ``logit(x, b, h, row, key, distance, bh)``: the modified natural-log score; ``distance`` is ALiBi's
   ``|row + seqlen_k - seqlen_q - key|`` as a float, which the kernels compute per row once and offset by
   constants per element (an int-to-float conversion per score ran at an eighth of the FMA rate).
@@ -130,7 +125,6 @@ class Modifiers(NamedTuple):
     modified: bool  # scores change: softcap, ALiBi or score_mod (the kernels then work in natural-log units)
     masked: bool  # a mask_mod hides keys: every tile's visible scores go through it
     prepare: object
-    prepare_for: object
     logit: object
     logit2: object
     visible: object
@@ -235,12 +229,6 @@ def modifiers(mods, ACC, fast=False):
         def prepare(b, h, mod):
             return ()
 
-    @device_function
-    def prepare_for(bh, h_of_bh, b, h, mod):
-        if h != h_of_bh:
-            return prepare(b, h, mod)
-        return bh
-
     if mods.score_mod is not None:
         score_mod = _user(mods.score_mod)
         score_mod_grad = _user(mods.score_mod_grad) if mods.score_mod_grad is not None else None
@@ -303,4 +291,4 @@ def modifiers(mods, ACC, fast=False):
     def natural(x):
         return x if MODIFIED else x * LN2
 
-    return Modifiers(MODIFIED, MASKED, prepare, prepare_for, logit, logit2, visible, natural, cap, slope)
+    return Modifiers(MODIFIED, MASKED, prepare, logit, logit2, visible, natural, cap, slope)

@@ -89,7 +89,7 @@ def build_dkdv(D, tiles, storage, mods=NONE):
     scores, accumulate = products(CHUNK, D, storage, M)
     write_grad = fragment_writer(D, storage, paired=PAIRED_STORES)
     modifier = modifiers(mods, types.float32, fast=True)
-    prepare, prepare_for, natural = modifier.prepare, modifier.prepare_for, modifier.natural
+    prepare, natural = modifier.prepare, modifier.natural
     probabilities, ds = transposed_steps(M, NT, mods)
     tile_count, tile_of, tile_full = query_tiles(mods, BLOCK_M, BLOCK_N)
     tile_slot = verdict_slot(mods, BLOCK_M)
@@ -136,13 +136,9 @@ def build_dkdv(D, tiles, storage, mods=NONE):
             dlogit = cuda.local.array((M_NT, 4), types.float32)  # with modifications: d modified / d score
             frag = cuda.local.array((M, 4), types.uint32)  # A fragments of the warp's m-tiles (`products`)
 
-            # what the modifications read for the group's first head (`kernels.mods`); a tile of another head
-            # prepares its own
-            h_of_bh = hk * group
-            bh = prepare(b, h_of_bh, mod)
             for it in range(ntiles):
                 h, q_start = h_next, q_next
-                bh, h_of_bh = prepare_for(bh, h_of_bh, b, h, mod), h
+                bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)
                 block_full, slot = tile_full(mod, b, hk, key_start, it), tile_slot(mod, b, hk, key_start, it)
                 at = (it % 2) * BLOCK_N * LD
                 st = (it % 2) * 2 * BLOCK_N

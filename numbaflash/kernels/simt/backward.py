@@ -267,7 +267,7 @@ def build_dkdv(D, tiles, storage, mods=NONE):
     visit_whole = thread_verdicts(mods, BLOCK_K, TK)
     SPARSE = mods.block_sparse  # a partial visit's verdicts come from the block mask's bits (a row per key)
     modifier = modifiers(mods, ACC)
-    prepare, prepare_for, logit2, visible, natural = modifier.prepare, modifier.prepare_for, modifier.logit2, modifier.visible, modifier.natural
+    prepare, logit2, visible, natural = modifier.prepare, modifier.logit2, modifier.visible, modifier.natural
 
     def attention_backward_dkdv(q, k, v, dout, lse, delta, dk, dv, scale_log2, left, right, vec, mod):
         # q, dout: (batch, seqlen_q, nheads, headdim); k, v, dk, dv: (batch, seqlen_k, nheads_kv, headdim)
@@ -305,13 +305,9 @@ def build_dkdv(D, tiles, storage, mods=NONE):
             lse2 = cuda.local.array(TQ, ACC)
             dsum = cuda.local.array(TQ, ACC)
             words = cuda.local.array(TK, types.int32)  # each of the thread's keys' verdicts on its TQ query rows
-            # what the modifications read for the group's first head (`kernels.mods`); a tile of another head
-            # prepares its own
-            h_of_bh = hk * group
-            bh = prepare(b, h_of_bh, mod)
             for it in range(ntiles):
                 h, q_start = tile_of(mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, it)
-                bh, h_of_bh = prepare_for(bh, h_of_bh, b, h, mod), h
+                bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)
                 # the verdicts loaded before the tile's copies and products, which hide their latency
                 block_full = visit_whole(words, mod, b, hk, key_start, it, r * TK, c * TQ)
                 q_end = min(q_start + BLOCK_Q, seqlen_q)

@@ -193,7 +193,7 @@ def build_dkdv(D, tiles, storage, mods=NONE):
     tile_count, tile_of, tile_full = query_tiles(mods, BLOCK_M, BLOCK_N)
     tile_slot = verdict_slot(mods, BLOCK_M)
     modifier = modifiers(mods, types.float32, fast=True)
-    prepare, prepare_for, natural = modifier.prepare, modifier.prepare_for, modifier.natural
+    prepare, natural = modifier.prepare, modifier.natural
     write_grad = fragment_writer(D, storage)
     ZERO, ONE = types.float32(0), types.float32(1)
 
@@ -236,13 +236,9 @@ def build_dkdv(D, tiles, storage, mods=NONE):
             p = cuda.local.array((PS, 4), types.uint32)  # P^T rounded to 16 bits: the A operand of dV += P^T dO
             d_s = cuda.local.array((PS, 4), types.uint32)  # dS^T rounded: of dK += dS^T Q
 
-            # what the modifications read for the group's first head (`kernels.mods`); a tile of another head
-            # prepares its own
-            h_of_bh = hk * group
-            bh = prepare(b, h_of_bh, mod)
             for it in range(ntiles):
                 h, q_start = h_next, q_next
-                bh, h_of_bh = prepare_for(bh, h_of_bh, b, h, mod), h
+                bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)
                 at = (it % 2) * TILE
                 st = stats_at + (it % 2) * 2 * BLOCK_N
                 if it + 1 < ntiles:

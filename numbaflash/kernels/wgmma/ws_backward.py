@@ -225,7 +225,7 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
     tile_count, tile_of, tile_full = query_tiles(mods, BLOCK_M, BLOCK_N)
     tile_slot = verdict_slot(mods, BLOCK_M)
     modifier = modifiers(mods, types.float32, fast=True)
-    prepare, prepare_for, natural = modifier.prepare, modifier.prepare_for, modifier.natural
+    prepare, natural = modifier.prepare, modifier.natural
     write_grad = fragment_writer(D, storage)
     release_registers, take_registers = register_moves(tiles, (REGISTERS, SHARED_REGISTERS))
     ZERO, ONE = types.float32(0), types.float32(1)
@@ -341,15 +341,11 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
             dq_frag = cuda.local.array((AT, 4), types.float32)  # a 64 x 64 chunk of dS K
             wait(smem, base + KV_FULL, 0)
 
-            # what the modifications read for the group's first head (`kernels.mods`); a tile of another head
-            # prepares its own
-            h_of_bh = hk * group
-            bh = prepare(b, h_of_bh, mod)
             for it in range(ntiles):
                 # A block mask's table is read before the wait (the forward's reason)
                 h, q_start = tile_of(mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, it)
                 full, slot = tile_full(mod, b, hk, key_start, it), tile_slot(mod, b, hk, key_start, it)
-                bh, h_of_bh = prepare_for(bh, h_of_bh, b, h, mod), h
+                bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)
                 stage = it % STAGES
                 at = 2 * stage * TILE  # bytes into the rings
                 st = (base + STATS_AT) // 2 + stage * 2 * BLOCK_N
