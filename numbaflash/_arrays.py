@@ -95,6 +95,8 @@ def describe(x, name):
         device = x.get_device()  # -1 off the GPU; one call where is_cuda and then get_device were two
         if device < 0:
             raise TypeError(f"{name} is a torch tensor on {x.device}: numbaflash runs on CUDA tensors")
+        if SIMULATOR:
+            raise _on_the_simulator(x, name)
         dtype, itemsize = _torch_dtype(x.dtype)
         return Operand(x, "torch", tuple(x.shape), tuple([s * itemsize for s in x.stride()]), dtype, device,
                        x.data_ptr())
@@ -104,11 +106,10 @@ def describe(x, name):
                 f"{name} is a NumPy array, which lives in host memory: pass CuPy arrays or torch CUDA tensors "
                 "(or set NUMBA_ENABLE_CUDASIM=1 before importing numba to run on the CUDA simulator)")
         return Operand(x, "numpy", x.shape, x.strides, _dtype_name(x.dtype), -1, x.ctypes.data)
+    if SIMULATOR and is_device_array(x):
+        raise _on_the_simulator(x, name)
     if module == "cupy":
         return Operand(x, "cupy", x.shape, x.strides, _dtype_name(x.dtype), x.device.id, x.data.ptr)
-    if SIMULATOR and is_device_array(x):  # no device memory to read, nor a driver to ask whose it is
-        raise TypeError(f"{name} is a GPU array, but the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) runs on NumPy "
-                        f"arrays: pass NumPy arrays; got {type(x).__module__}.{type(x).__name__}")
     if hasattr(x, "__cuda_array_interface__"):
         cai = x.__cuda_array_interface__
         dtype = np.dtype(cai["typestr"])
@@ -125,6 +126,13 @@ def describe(x, name):
     host = ", a NumPy array (on the CUDA simulator)" if SIMULATOR else ""
     raise TypeError(f"{name} must be a CuPy array, a torch CUDA tensor{host}, or expose __cuda_array_interface__ "
                     f"or __dlpack__; got {type(x).__module__}.{type(x).__name__}")
+
+
+def _on_the_simulator(x, name):
+    """The TypeError for a GPU array on the simulator: its kernels read no device memory, and no driver says whose
+    a pointer is."""
+    return TypeError(f"{name} is a GPU array, but the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) runs on NumPy arrays: "
+                     f"pass NumPy arrays; got {type(x).__module__}.{type(x).__name__}")
 
 
 def _device_of(ptr):

@@ -68,7 +68,7 @@ class Call:
         return tiling.accumulator(self.dtype)
 
 
-def _check_scale(softmax_scale, headdim, dtype):
+def _check_scale(softmax_scale, headdim):
     if softmax_scale is None:
         return 1.0 / math.sqrt(headdim)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float, np.floating, np.integer)):
@@ -76,25 +76,22 @@ def _check_scale(softmax_scale, headdim, dtype):
     scale = float(softmax_scale)
     if not math.isfinite(scale):
         raise ValueError(f"softmax_scale must be a finite number (any sign, as in flash-attn); got {softmax_scale!r}")
-    accumulator = tiling.accumulator(dtype)
-    largest = float(np.finfo(accumulator).max) / LOG2E
-    if abs(scale) > largest:  # the kernels' scale, softmax_scale * log2(e) in the accumulator type, would be inf
-        raise ValueError(f"softmax_scale must be at most {largest:.4g} in magnitude for {dtype} inputs, whose scores "
-                         f"the kernels scale by softmax_scale * log2(e) in {accumulator}; got {softmax_scale!r}")
     return scale
 
 
-def _check_softcap(softcap, scale, dtype):
-    """A softcap whose values the kernels hold in the accumulator type: softcap * log2(e), the softmax's scale of
-    capped scores, and softmax_scale / softcap, tanh's argument's (a subnormal softcap's reciprocal is inf in
-    float32, and tanh(0 * inf) NaN)."""
-    if softcap == 0:
-        return
+def _check_accumulator_range(scale, softcap, dtype):
+    """softmax_scale and softcap whose derived values the kernels hold in the accumulator type: softmax_scale *
+    log2(e) and softcap * log2(e) (the softmax's scales), and softmax_scale / softcap (tanh's argument's: a
+    subnormal softcap's reciprocal is inf in float32, and tanh(0 * inf) NaN)."""
     accumulator = tiling.accumulator(dtype)
     limits = np.finfo(accumulator)
-    low, high = max(float(limits.tiny), abs(scale) / float(limits.max)), float(limits.max) / LOG2E
-    if not low <= softcap <= high:
-        raise ValueError(f"softcap must be 0 (off) or between {low:.4g} and {high:.4g} for {dtype} inputs with "
+    largest = float(limits.max) / LOG2E
+    if abs(scale) > largest:
+        raise ValueError(f"softmax_scale must be at most {largest:.4g} in magnitude for {dtype} inputs, whose scores "
+                         f"the kernels scale by softmax_scale * log2(e) in {accumulator}; got {scale!r}")
+    least = max(float(limits.tiny), abs(scale) / float(limits.max))
+    if softcap != 0 and not least <= softcap <= largest:
+        raise ValueError(f"softcap must be 0 (off) or between {least:.4g} and {largest:.4g} for {dtype} inputs with "
                          f"softmax_scale {scale:.4g}: the kernels hold softcap * log2(e) and softmax_scale / softcap "
                          f"in {accumulator}; got {softcap!r}")
 
@@ -171,7 +168,7 @@ def inspect_operands(ops, causal=False, softmax_scale=None, window_size=(-1, -1)
         raise ValueError(f"headdim must be between 1 and {MAX_HEADDIM}; got {headdim}")
     arguments.flag(causal, "causal")
     left, right = masks.normalize_window(causal, arguments.window(window_size))
-    scale = _check_scale(softmax_scale, headdim, dtypes[0])
+    scale = _check_scale(softmax_scale, headdim)
     call = Call(*ops, batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, dtypes[0], scale, left, right, single_head)
     modifications = {**MODIFICATIONS, **(modifications or {})}
     block = modifications.pop("block_mask")
@@ -179,7 +176,7 @@ def inspect_operands(ops, causal=False, softmax_scale=None, window_size=(-1, -1)
         modifications["mask_mod"] = _check_block_mask(block, modifications["mask_mod"], call)
     modified, softcap, slopes, mod_args = check_mods(**modifications, describe=_boundary_array(call), batch=batch,
                                                      nheads=nheads, backward=backward)
-    _check_softcap(softcap, scale, dtypes[0])
+    _check_accumulator_range(scale, softcap, dtypes[0])
     if block is not None:
         modified = dataclasses.replace(modified, block_sparse=True)
     call.block_mask = block
@@ -511,12 +508,14 @@ def run_backward(call, plan, dout, lse, out, delta, dq, dk, dv, preprocess=None)
     _launch(plan, 2, stream, call.mods, q, k, v, dout, lse, delta, dq, *extra, *maps[1], dq_pass_mods, layout=layout)
 
 
-def _check_like(op, want, name, like_name, shapes):
-    """ValueError unless ``op`` has ``want``'s shape, dtype, kind and device; ``shapes``: (want's, op's) as the
-    caller passed them (a 2-D call's operands are compared as (1, seqlen, 1, headdim) views)."""
-    if op.shape != want.shape or op.dtype != want.dtype or op.kind != want.kind or op.device != want.device:
-        raise ValueError(f"{name} must match {like_name}: shape {shapes[0]}, dtype {want.dtype} on the same device; "
-                         f"got shape {shapes[1]}, dtype {op.dtype}")
+def check_array(op, name, must, shape, dtype, call, shapes=None):
+    """ValueError unless ``op`` has ``shape`` and ``dtype`` and is of q's library on q's device (a backward's
+    dout, out and lse): "``name`` must ``must``: ...". ``shapes``: (wanted, op's) as the caller passed them (a 2-D
+    call's operands are compared as (1, seqlen, 1, headdim) views)."""
+    if op.shape != shape or op.dtype != dtype or op.kind != call.q.kind or op.device != call.device:
+        wanted, got = shapes or (shape, op.shape)
+        raise ValueError(f"{name} must {must}: shape {wanted}, dtype {dtype} on q's device; got shape {got}, "
+                         f"dtype {op.dtype}")
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
@@ -562,13 +561,10 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         lse_op = _arrays.describe(lse[None, None, :], "lse")
     q_shown = call.q.shape[1::2] if call.single_head else call.q.shape
     for op, name, got in zip(ops, ("dout", "out"), shown):
-        _check_like(op, call.q, name, "q", (q_shown, got))
+        check_array(op, name, "match q", call.q.shape, call.dtype, call, (q_shown, got))
     want_lse = (call.batch, call.nheads, call.seqlen_q)
-    if (lse_op.shape != want_lse or lse_op.dtype != call.lse_dtype or lse_op.kind != call.q.kind
-            or lse_op.device != call.device):
-        want_shown = want_lse[2:] if call.single_head else want_lse
-        raise ValueError(f"lse must be attention's log-sum-exp: shape {want_shown}, dtype {call.lse_dtype} on q's "
-                         f"device; got shape {shown[2]}, dtype {lse_op.dtype}")
+    check_array(lse_op, "lse", "be attention's log-sum-exp", want_lse, call.lse_dtype, call,
+                (want_lse[2:] if call.single_head else want_lse, shown[2]))
     with _device_context(call):
         arguments.flag(deterministic, "deterministic")
         plan = (_check_plan(plan, call, "backward") if plan is not None else

@@ -200,17 +200,11 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                       backward=True)
     call = packed.call
     q_shape = (packed.total_q, call.nheads, call.headdim)
-    dout_op, out_op = (_arrays.describe(x, name) for x, name in ((dout, "dout"), (out, "out")))
+    dout_op, out_op, lse_op = (_arrays.describe(x, name) for x, name in ((dout, "dout"), (out, "out"), (lse, "lse")))
     for op, name in ((dout_op, "dout"), (out_op, "out")):
-        if op.shape != q_shape or op.dtype != call.dtype or op.kind != call.q.kind or op.device != call.device:
-            raise ValueError(f"{name} must match q: shape {q_shape}, dtype {call.dtype} on the same device; got "
-                             f"shape {op.shape}, dtype {op.dtype}")
-    lse_op = _arrays.describe(lse, "lse")
+        interface.check_array(op, name, "match q", q_shape, call.dtype, call)
     want_lse = (call.nheads, packed.total_q)
-    if (lse_op.shape != want_lse or lse_op.dtype != call.lse_dtype or lse_op.kind != call.q.kind
-            or lse_op.device != call.device):
-        raise ValueError(f"lse must be attention_varlen's log-sum-exp: shape {want_lse}, dtype {call.lse_dtype} on "
-                         f"q's device; got shape {lse_op.shape}, dtype {lse_op.dtype}")
+    interface.check_array(lse_op, "lse", "be attention_varlen's log-sum-exp", want_lse, call.lse_dtype, call)
     with interface._device_context(call):
         plan = (interface._check_plan(plan, call, "backward") if plan is not None
                 else interface._plan_for(call, backward=True))
@@ -227,5 +221,4 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
             delta_op = _arrays.batch_operand(delta, call.batch)
         views = [_arrays.batch_operand(x, call.batch) for x in (dout_op, lse_op, out_op, dq, dk, dv)]
         interface.run_backward(call, plan, *views[:3], delta_op, *views[3:], preprocess)
-    dq, dk, dv = dq.obj, dk.obj, dv.obj
-    return dq, dk, dv
+    return dq.obj, dk.obj, dv.obj

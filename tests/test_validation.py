@@ -151,7 +151,7 @@ def test_a_two_dimensional_backward_takes_two_dimensional_gradients():
     with pytest.raises(ValueError, match="window_size must be a pair of ints"):
         numbaflash.attention(q, k, v, window_size=5)
     # The messages give the shapes as the caller passed them, not the kernels' (1, seqlen, 1, headdim) views.
-    with pytest.raises(ValueError, match=r"dout must match q: shape \(8, 16\), dtype float32 on the same device; "
+    with pytest.raises(ValueError, match=r"dout must match q: shape \(8, 16\), dtype float32 on q's device; "
                                          r"got shape \(8, 16\), dtype float64"):
         numbaflash.attention_backward(np.ones(out.shape), q, k, v, out, lse)
     with pytest.raises(ValueError, match=r"lse must be attention's log-sum-exp: shape \(8,\), dtype float32 on "
