@@ -18,6 +18,9 @@ without a mask_mod, at a visible pair's indices, its result dropped (`gradients`
 * ``prepare(b, h, mod)``: what the functions below read for batch element ``b`` and head ``h`` (``bh``):
   the cap and its reciprocal, the head's slope, the user's mod_args; once per head, so a score pays no
   division and no load of the slopes.
+* ``prepare_staged(mod, slope)``: `prepare`'s values with the head's ALiBi slope given (v5's dK/dV consumers read
+  it from the stage their producer filled, `wgmma.ws_backward`), so a tile neither loads it nor divides for its
+  head.
 * ``logit(x, b, h, row, key, distance, bh)``: the modified natural-log score; ``distance`` is ALiBi's
   ``|row + seqlen_k - seqlen_q - key|`` as a float, which the kernels compute per row once and offset by
   constants per element (an int-to-float conversion per score ran at an eighth of the FMA rate).
@@ -125,6 +128,7 @@ class Modifiers(NamedTuple):
     modified: bool  # scores change: softcap, ALiBi or score_mod (the kernels then work in natural-log units)
     masked: bool  # a mask_mod hides keys: every tile's visible scores go through it
     prepare: object
+    prepare_staged: object
     logit: object
     logit2: object
     visible: object
@@ -160,6 +164,7 @@ def modifiers(mods, ACC, fast=False):
     instruction per score where ``1 - 2 / (e^(2y) + 1)`` took two (ex2 and rcp)."""
     ONE, LN2, LOG2E = ACC(1), ACC(math.log(2.0)), ACC(math.log2(math.e))
     MODIFIED, MASKED = mods.scores_modified, mods.mask_mod is not None
+    ALIBI = mods.alibi
     CAPPED = mods.softcap_alone
     CAP_AT = int(mods.block_sparse) + 2 * int(mods.packed)  # in the kernel's mod tuple
     SLOPES_AT = CAP_AT + int(mods.softcap)
@@ -224,9 +229,17 @@ def modifiers(mods, ACC, fast=False):
         @device_function
         def prepare(b, h, mod):
             return cap_values(mod) + slope_values(b, h, mod) + mod[USER_AT_KERNEL:]
+
+        @device_function
+        def prepare_staged(mod, slope):
+            return cap_values(mod) + ((ACC(slope),) if ALIBI else ()) + mod[USER_AT_KERNEL:]
     else:
         @device_function
         def prepare(b, h, mod):
+            return ()
+
+        @device_function
+        def prepare_staged(mod, slope):
             return ()
 
     if mods.score_mod is not None:
@@ -291,4 +304,4 @@ def modifiers(mods, ACC, fast=False):
     def natural(x):
         return x if MODIFIED else x * LN2
 
-    return Modifiers(MODIFIED, MASKED, prepare, logit, logit2, visible, natural, cap, slope)
+    return Modifiers(MODIFIED, MASKED, prepare, prepare_staged, logit, logit2, visible, natural, cap, slope)

@@ -79,13 +79,17 @@ def tensor_map_args(q, k, v, dout, tiles):
             tensor_maps.maps([(q, owned), (dout, owned), (k, streamed), (v, streamed)]))
 
 
+SLOPE_ELEMENTS = 8  # 16-bit elements of a stage's slope slot: 16 bytes, as the rings' alignment
+
+
 def layout_dkdv(D, tiles, accumulate_dq=False):
     """Element offsets from the aligned base: K and V (block_m rows), the Q and dO rings (stages of block_n
     rows), with ``accumulate_dq`` two dS^T tiles (block_m keys x block_n queries; none otherwise), the rings'
-    LSE and D (float32), the mbarriers (K and V full; full per stage; a packed sequence's last tiles), the end."""
+    LSE and D (float32), each stage's head's ALiBi slope (float32, 16 bytes a stage), the mbarriers (K and V full;
+    full per stage; a packed sequence's last tiles), the end."""
     sizes = (tiles.block_m * D, tiles.block_m * D, tiles.stages * tiles.block_n * D,
              tiles.stages * tiles.block_n * D, DS_TILES * tiles.block_m * tiles.block_n if accumulate_dq else 0,
-             tiles.stages * 2 * tiles.block_n * 2, (2 + tiles.stages) * BARRIER_ELEMENTS)
+             tiles.stages * 2 * tiles.block_n * 2, tiles.stages * SLOPE_ELEMENTS, (2 + tiles.stages) * BARRIER_ELEMENTS)
     return tuple(sum(sizes[:i]) for i in range(len(sizes) + 1))
 
 
@@ -207,7 +211,7 @@ def dq_accumulator(D, tiles, storage):
 def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
     BLOCK_M, BLOCK_N, CONSUMERS, STAGES = tiles.block_m, tiles.block_n, tiles.warpgroups, tiles.stages
     NT, DT, PS, AT = BLOCK_N // 8, D // 8, BLOCK_N // 16, ATOM // 8
-    K_AT, V_AT, Q_AT, DO_AT, DS_AT, STATS_AT, BAR_AT, _ = layout_dkdv(D, tiles, accumulate_dq)
+    K_AT, V_AT, Q_AT, DO_AT, DS_AT, STATS_AT, SLOPE_AT, BAR_AT, _ = layout_dkdv(D, tiles, accumulate_dq)
     KV_FULL, FULL, TAIL = BAR_AT, BAR_AT + BARRIER_ELEMENTS, BAR_AT + (1 + STAGES) * BARRIER_ELEMENTS
     PACKED = mods.packed
     if PACKED and accumulate_dq:
@@ -225,7 +229,11 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
     tile_count, tile_of, tile_full = query_tiles(mods, BLOCK_M, BLOCK_N)
     tile_slot = verdict_slot(mods, BLOCK_M)
     modifier = modifiers(mods, types.float32, fast=True)
-    prepare, natural = modifier.prepare, modifier.natural
+    prepare, prepare_staged, slope_of, natural = (modifier.prepare, modifier.prepare_staged, modifier.slope,
+                                                  modifier.natural)
+    # The head's slope staged with each tile by the producer: a consumer that loaded it and divided for the
+    # tile's head ran 100 more warp instructions a tile than the plain kernel (ncu, H200, headdim 64)
+    ALIBI = mods.alibi
     write_grad = fragment_writer(D, storage)
     release_registers, take_registers = register_moves(tiles, (REGISTERS, SHARED_REGISTERS))
     ZERO, ONE = types.float32(0), types.float32(1)
@@ -275,6 +283,9 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
             full = base + FULL + s * BARRIER_ELEMENTS
             tail = PACKED and q_start + BLOCK_N > seqlen_q
             if lane == 0:
+                if ALIBI:  # before the arrival that lands the stage (the consumers' wait orders their read after it)
+                    slopes = cuda.shared.array(0, types.float32)
+                    slopes[(base + SLOPE_AT) // 2 + s * (SLOPE_ELEMENTS // 2)] = slope_of(prepare(b, h, mod))
                 copy_query_tile(smem, base, delta, maps, h, q_start, it, q_seq, stats_first, at,
                                 base + TAIL if tail else full)
             if tail:
@@ -345,8 +356,10 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
                 # A block mask's table is read before the wait (the forward's reason)
                 h, q_start = tile_of(mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, it)
                 full, slot = tile_full(mod, b, hk, key_start, it), tile_slot(mod, b, hk, key_start, it)
-                bh = prepare(b, h, mod)  # what the modifications read for this head (`kernels.mods`)
                 stage = it % STAGES
+                # what the modifications read for this head (`kernels.mods`); its slope as the producer staged it
+                bh = (prepare_staged(mod, stats[(base + SLOPE_AT) // 2 + stage * (SLOPE_ELEMENTS // 2)]) if ALIBI
+                      else prepare(b, h, mod))
                 at = 2 * stage * TILE  # bytes into the rings
                 st = (base + STATS_AT) // 2 + stage * 2 * BLOCK_N
                 wait(smem, base + FULL + stage * BARRIER_ELEMENTS, (it // STAGES) & 1)
