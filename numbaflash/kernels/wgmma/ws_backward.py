@@ -357,12 +357,14 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
                 h, q_start = tile_of(mod, b, hk, key_start, group, q_lo, q_hi, seqlen_q, it)
                 full, slot = tile_full(mod, b, hk, key_start, it), tile_slot(mod, b, hk, key_start, it)
                 stage = it % STAGES
-                # what the modifications read for this head (`kernels.mods`); its slope as the producer staged it
-                bh = (prepare_staged(mod, stats[(base + SLOPE_AT) // 2 + stage * (SLOPE_ELEMENTS // 2)]) if ALIBI
-                      else prepare(b, h, mod))
                 at = 2 * stage * TILE  # bytes into the rings
                 st = (base + STATS_AT) // 2 + stage * 2 * BLOCK_N
                 wait(smem, base + FULL + stage * BARRIER_ELEMENTS, (it // STAGES) & 1)
+                # what the modifications read for this head (`kernels.mods`); its slope as the producer staged it,
+                # read after the wait (read before it, racecheck found 24 hazards: the producer refills the slot once
+                # the stage's last tile is released, which may come after this consumer reaches the read)
+                bh = (prepare_staged(mod, stats[(base + SLOPE_AT) // 2 + stage * (SLOPE_ELEMENTS // 2)]) if ALIBI
+                      else prepare(b, h, mod))
 
                 step(smem, descs, at, s, dp, dlogit, p, d_s, dk_acc, dv_acc, stats, st, q_start, warp_key, key_start,
                      g, t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh, full, mod, slot)
