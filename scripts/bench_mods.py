@@ -17,6 +17,7 @@ tests' job; this guards the timings against a kernel that computes something els
     python scripts/bench_mods.py --rounds 3        # each variant thrice, right after its base: median ratios, ranges
     python scripts/bench_mods.py --deterministic no  # backwards as deterministic=False plans them (softcap: atomic dQ)
     python scripts/bench_mods.py --jobs 8          # 8 processes compile at once and take turns on the GPU
+    python scripts/bench_mods.py --variants ALiBi  # only these variants, with the bases they are timed against
 
 One pass times each variant once, at one moment of the GPU's clock and power state: the same kernels' ratios moved
 by 5-10% between runs (H100, README). ``--rounds`` times every variant once a round, each time right after its base
@@ -98,12 +99,24 @@ def variants(torch, nheads):
 
 
 BASES = ("plain", "causal (built-in)")  # what the other variants are timed against
+# Every row `variants` and `block_masks` list, in their order (`--variants` takes these)
+NAMES = ("plain", "softcap 30", "ALiBi", "softcap + ALiBi", "score_mod temperature", "causal (built-in)",
+         "causal (mask_mod)", "causal (block mask)", "8 documents (block mask)")
 
 
 def bases(listed):
     """Each ``(name, options, over)`` entry's base: ``over`` if given, else the built-in causal for a causal variant
     and the plain kernel for the others."""
     return {name: over or ("causal (built-in)" if "causal" in name else "plain") for name, _, over in listed}
+
+
+def chosen(listed, base_of, names):
+    """``listed``'s entries named in ``names`` (all for None) and the bases those are timed against, in the listed
+    order: a run of a few variants compiles and times nothing else."""
+    if names is None:
+        return listed
+    keep = set(names) | {base_of[name] for name in names}
+    return [entry for entry in listed if entry[0] in keep]
 
 
 def share_of(listed, base_of, share):
@@ -177,12 +190,13 @@ def flex_rows(torch, q, k, v, dout, passes, row_of):
 Prepared = collections.namedtuple("Prepared", "operands listed base_of ours sdpa rows passes rounds with_flex")
 
 
-def prepare(headdim, seqlen, passes, with_flex=False, dtype="float16", rounds=1, deterministic=True, share=(0, 1)):
+def prepare(headdim, seqlen, passes, with_flex=False, dtype="float16", rounds=1, deterministic=True, share=(0, 1),
+            names=None):
     """The calls of one head dim and sequence length, each run once, for `timed` (a `Prepared`; None where worker
     ``share``, (index, count) of ``--jobs``, has no variant of its `share_of`). With ``rounds`` > 1 each variant is
     timed once a round, the rounds starting at successive variants, right after its base (the plain kernel, or the
     built-in causal): its ratio is the median of the rounds' ratios of neighbours, with their range.
-    ``deterministic``: the backwards'."""
+    ``deterministic``: the backwards'. ``names``: the variants to time (`chosen`), None for all."""
     import torch
 
     import numbaflash
@@ -193,9 +207,10 @@ def prepare(headdim, seqlen, passes, with_flex=False, dtype="float16", rounds=1,
                                  generator=gen) for _ in range(4))
     qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
     listed = [(name, options, None) for name, options in variants(torch, NHEADS).items()] + block_masks(torch, seqlen)
+    assert tuple(name for name, _, _ in listed) == NAMES, "NAMES lists every variant"
     base_of = bases(listed)
     order = {name: i for i, (name, _, _) in enumerate(listed)}
-    listed = share_of(listed, base_of, share)
+    listed = share_of(chosen(listed, base_of, names), base_of, share)
     if not listed:
         return None
     # Every variant's kernels compiled, loaded and run once before any is timed. Without it the built-in causal
@@ -286,6 +301,8 @@ def main():
                         help="time every variant this many times, each right after its base: median ratios, ranges")
     parser.add_argument("--deterministic", choices=["yes", "no"], default="yes",
                         help="the backwards' deterministic argument (no: softcap's plan runs the atomic dQ at 64)")
+    parser.add_argument("--variants", nargs="+", choices=NAMES, default=None, metavar="NAME",
+                        help="time only these variants (and their bases); one of: " + ", ".join(map(repr, NAMES)))
     parser.add_argument("--jobs", type=int, default=1,
                         help="processes that compile at the same time and take turns to time (see above)")
     parser.add_argument("--share", type=int, nargs=2, default=(0, 1), metavar=("INDEX", "COUNT"),
@@ -295,6 +312,9 @@ def main():
     args = parser.parse_args()
     if args.jobs < 1:
         parser.error(f"--jobs takes a positive number of processes; got {args.jobs}")
+    if args.variants is not None and set(args.variants) <= set(BASES):
+        parser.error(f"--variants needs a variant other than the bases {BASES}, which the others are timed against; "
+                     f"got {args.variants}")
     if not 0 <= args.share[0] < args.share[1]:
         parser.error(f"--share takes INDEX COUNT with 0 <= INDEX < COUNT; got {args.share}")
     if args.jobs > 1:
@@ -308,7 +328,8 @@ def main():
         print(f"device: {torch.cuda.get_device_name()}, {args.dtype}, deterministic={args.deterministic}", flush=True)
         share = tuple(args.share)
         steps = [prepare(headdim, seqlen, [p == "backward" for p in args.passes], args.flex, args.dtype, args.rounds,
-                         args.deterministic == "yes", share) for headdim in args.headdims for seqlen in args.seqlens]
+                         args.deterministic == "yes", share, args.variants)
+                 for headdim in args.headdims for seqlen in args.seqlens]
         rows = []
         with gpu_turn(args.lock, share):
             for step in steps:

@@ -13,7 +13,8 @@ dS on the CUDA cores the tensor cores run the other's products.
   place of ``delta``: a tile's statistics are two aligned runs of floats.
 * ``dkdv``: one block per (key block, kv head, batch element). One producer thread copies the block's K
   and V once, then each query tile's Q and dO (every query head of the GQA group in turn) into a ring
-  of ``stages``, and the tile's LSE and D beside them (``cp.async.bulk``, no tensor map). A consumer's
+  of ``stages``, and the tile's LSE and D beside them (``cp.async.bulk``, no tensor map), with ALiBi the tile's
+  head's slope too (written by the producer's lane 0 before the arrival that lands the stage). A consumer's
   step is v3's: S^T = K Q^T and dP^T = V dO^T, P^T, dV += P^T dO, dS^T, dK += dS^T Q. A stage is
   released by its consumers' threads arriving at a named barrier (one per consumer and stage) where the
   producer's warp waits, in place of an empty mbarrier: see `_build_key_pass`.
