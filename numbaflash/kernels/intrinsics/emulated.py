@@ -9,6 +9,7 @@ import threading
 import ml_dtypes
 import numpy as np
 
+from . import simulated_blocks
 from .exchange import exchange, group_result
 from .polynomials import EX2_FMA_COEFFICIENTS, EX2_FMA_F16X2_COEFFICIENTS, EX2_FMA_F16X2_FLOOR, EX2_FMA_F16X2_MAGIC
 
@@ -211,7 +212,10 @@ class _NamedBarrier:
                 self.generation += 1
                 self.cond.notify_all()
             elif wait:
+                simulated_blocks.waiting(lambda: self.generation == generation)
                 self.cond.wait_for(lambda: self.generation != generation)
+        if wait:
+            simulated_blocks.passed()  # outside the barrier's lock, which the others need to arrive
 
 
 def _named_barrier(barrier):

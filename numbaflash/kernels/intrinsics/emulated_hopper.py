@@ -14,6 +14,7 @@ import threading
 import ml_dtypes
 import numpy as np
 
+from . import simulated_blocks
 from .exchange import WARPGROUP, group_result
 
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
@@ -191,8 +192,12 @@ def mbarrier_try_wait(smem, i, parity):
     barrier = _mbarriers()[int(i)]
     with barrier.cond:
         if barrier.phase % 2 == int(parity):
+            simulated_blocks.waiting(lambda: barrier.phase % 2 == int(parity))
             barrier.cond.wait(0.01)
-        return np.uint32(barrier.phase % 2 != int(parity))
+        done = barrier.phase % 2 != int(parity)
+    if done:
+        simulated_blocks.passed()  # outside the barrier's lock (`simulated_blocks.producer_last`)
+    return np.uint32(done)
 
 
 def _no_op():

@@ -6,7 +6,8 @@ lock, so every simulated thread shares the CPU with it. `WaitingBlockManager` ke
 (``syncthreads`` releases the block once every thread still running has reached it; the first exception
 aborts the others and is raised) with a condition variable: the last thread to arrive releases the others,
 and the manager sleeps until the block ends. `install` puts it in the simulator; `kernels.intrinsics` installs it
-whenever the simulator is on.
+whenever the simulator is on. `producer_last` holds a producer warpgroup after each wait until the rest of its
+block waits (tests/test_producer_last.py), through the emulated waits' `waiting` and `passed`.
 
 On this project's 2-core CPU machine the CI suite ran in 470 s against 793 s, and one test alone 2.4-4x faster
 (tests/test_forward.py::test_wgmma_forward_matches_reference 55.9 -> 13.6 s, in one process). The polling manager
@@ -14,10 +15,13 @@ needed Python's switch interval lowered to 0.3 ms while a kernel ran; this one r
 (the same test: 22.5 s at 0.3 ms, 15.2 at 1 ms, 13.6-14.2 at 5 ms, 15.0 at 20 ms).
 """
 
+import contextlib
 import threading
 
 import numpy as np
 from numba.cuda.simulator import kernel as simulator
+
+_producer_last = False  # `producer_last`
 
 
 class _BlockState:
@@ -30,6 +34,7 @@ class _BlockState:
         self.waiting = 0
         self.generation = 0
         self.failed = None
+        self.waits = {}  # thread -> True while the emulated wait it sits in cannot pass (`waiting`)
 
     def release_if_all_wait(self):
         """With ``cond`` held: release ``syncthreads`` when every running thread waits there."""
@@ -88,6 +93,60 @@ class WaitingBlockManager(simulator.BlockManager):
             for t in threads:
                 t.abort = True
             raise failed.exception[0].with_traceback(failed.exception[1])
+
+
+@contextlib.contextmanager
+def producer_last():
+    """Within it, a thread of a block's first warpgroup (v4's and v5's producer) that passes an emulated wait holds
+    until every other running thread of its block waits too: the consumers then reach each tile before the copies
+    and stores that fill it. A consumer that reads staged data before the wait that lands it reads the stage's
+    last fill (so the v5 dK/dV consumers read the staged ALiBi slope, which racecheck found on the H200 and the
+    simulator's free-running threads did not); blocks of one warpgroup run as they do without it."""
+    global _producer_last
+    _producer_last = True
+    try:
+        yield
+    finally:
+        _producer_last = False
+
+
+def _thread_state():
+    thread = threading.current_thread()
+    return thread, (thread._manager.state if isinstance(thread, WaitingThread) else None)
+
+
+def waiting(still):
+    """An emulated wait (an mbarrier's, a named barrier's) is about to sleep: ``still()`` is True while it cannot
+    pass."""
+    if not _producer_last:  # no thread asks (a lock per spin of every wait otherwise)
+        return
+    thread, state = _thread_state()
+    if state is not None:
+        with state.cond:
+            state.waits[thread] = still
+
+
+def passed():
+    """An emulated wait has passed; under `producer_last` a first-warpgroup thread holds here until every other
+    running thread waits."""
+    if not _producer_last:
+        return
+    thread, state = _thread_state()
+    if state is None:
+        return
+    with state.cond:
+        state.waits.pop(thread, None)
+        if not (thread.threadIdx.x < 128 and thread._manager._block_dim[0] > 128):
+            return
+        state.waits[thread] = _always  # to the other first-warpgroup threads holding here, this one waits
+        held = lambda: state.waiting + sum(1 for still in state.waits.values() if still()) >= state.live
+        while not held() and state.failed is None:
+            state.cond.wait(0.002)  # polled: neither a wait's start nor a barrier's completion notifies this one
+        state.waits.pop(thread, None)
+
+
+def _always():
+    return True
 
 
 def install():
