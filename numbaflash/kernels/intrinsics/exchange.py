@@ -10,6 +10,8 @@ import threading
 
 import numpy as np
 
+from . import simulated_blocks
+
 WARP = 32
 WARPGROUP = 128
 
@@ -21,11 +23,15 @@ class _Group:
     write buffer n + 2 after barrier n + 1, which every thread passes only after reading buffer n."""
 
     def __init__(self, size):
-        self.barrier = threading.Barrier(size)
+        self.completed = 0  # exchanges the whole group has met at (`simulated_blocks.waiting`)
+        self.barrier = threading.Barrier(size, action=self._complete)
         self.buffers = ([None] * size, [None] * size)
         self.generation = [0] * size
         self.lock = threading.Lock()
         self.results = [None, None]  # (generation, value) of the last group-wide result per buffer
+
+    def _complete(self):
+        self.completed += 1
 
 
 def _deposit(value, size):
@@ -48,7 +54,9 @@ def _deposit(value, size):
     slots = group.buffers[generation % 2]
     group.generation[rank] += 1
     slots[rank] = value
+    simulated_blocks.collective_waiting(lambda: group.completed <= generation)  # its group's last thread may be held
     group.barrier.wait()
+    simulated_blocks.woke()
     return slots, rank, group, generation
 
 

@@ -7,7 +7,8 @@ lock, so every simulated thread shares the CPU with it. `WaitingBlockManager` ke
 aborts the others and is raised) with a condition variable: the last thread to arrive releases the others,
 and the manager sleeps until the block ends. `install` puts it in the simulator; `kernels.intrinsics` installs it
 whenever the simulator is on. `producer_last` holds a producer warpgroup after each wait until the rest of its
-block waits (tests/test_producer_last.py), through the emulated waits' `waiting` and `passed`.
+block waits, `consumers_last` the other warpgroups (tests/test_producer_last.py), through the emulated waits'
+`waiting` and `passed`.
 
 On this project's 2-core CPU machine the CI suite ran in 470 s against 793 s, and one test alone 2.4-4x faster
 (tests/test_forward.py::test_wgmma_forward_matches_reference 55.9 -> 13.6 s, in one process). The polling manager
@@ -21,7 +22,7 @@ import threading
 import numpy as np
 from numba.cuda.simulator import kernel as simulator
 
-_producer_last = False  # `producer_last`
+_held = None  # which warpgroups hold after their waits: "producer" (`producer_last`), "consumers" (`consumers_last`)
 
 
 class _BlockState:
@@ -31,10 +32,12 @@ class _BlockState:
     def __init__(self, threads):
         self.cond = threading.Condition()
         self.live = threads
+        self.live_first = min(threads, 128)  # of the first warpgroup (`consumers_last`)
         self.waiting = 0
         self.generation = 0
         self.failed = None
         self.waits = {}  # thread -> True while the emulated wait it sits in cannot pass (`waiting`)
+        self.releases = 0  # how many times the threads holding after their waits went on (`passed`)
 
     def release_if_all_wait(self):
         """With ``cond`` held: release ``syncthreads`` when every running thread waits there."""
@@ -52,6 +55,7 @@ class WaitingThread(simulator.BlockThread):
         block = self._manager.state
         with block.cond:
             block.live -= 1
+            block.live_first -= self.threadIdx.x < 128
             if self.exception is not None and block.failed is None:
                 block.failed = self
             block.release_if_all_wait()
@@ -65,7 +69,10 @@ class WaitingThread(simulator.BlockThread):
             generation = block.generation
             block.waiting += 1
             block.release_if_all_wait()
+            if _held is not None:  # a thread held after its wait counts this one as waiting (`passed`)
+                block.waits[self] = lambda: block.generation == generation
             block.cond.wait_for(lambda: block.generation != generation or block.failed is not None)
+            block.waits.pop(self, None)
             if block.failed is not None:
                 raise RuntimeError("abort flag set on syncthreads clear")
 
@@ -96,18 +103,29 @@ class WaitingBlockManager(simulator.BlockManager):
 
 
 @contextlib.contextmanager
+def _holding(who):
+    global _held
+    _held = who
+    try:
+        yield
+    finally:
+        _held = None
+
+
 def producer_last():
     """Within it, a thread of a block's first warpgroup (v4's and v5's producer) that passes an emulated wait holds
     until every other running thread of its block waits too: the consumers then reach each tile before the copies
     and stores that fill it. A consumer that reads staged data before the wait that lands it reads the stage's
     last fill (so the v5 dK/dV consumers read the staged ALiBi slope, which racecheck found on the H200 and the
     simulator's free-running threads did not); blocks of one warpgroup run as they do without it."""
-    global _producer_last
-    _producer_last = True
-    try:
-        yield
-    finally:
-        _producer_last = False
+    return _holding("producer")
+
+
+def consumers_last():
+    """`producer_last`'s mirror: the other warpgroups hold after each wait until the rest of the block waits, so
+    the producer refills each stage as soon as it is released, and a consumer that reads a stage after releasing
+    it reads the next fill."""
+    return _holding("consumers")
 
 
 def _thread_state():
@@ -118,7 +136,7 @@ def _thread_state():
 def waiting(still):
     """An emulated wait (an mbarrier's, a named barrier's) is about to sleep: ``still()`` is True while it cannot
     pass."""
-    if not _producer_last:  # no thread asks (a lock per spin of every wait otherwise)
+    if _held is None:  # no thread asks (a lock per spin of every wait otherwise)
         return
     thread, state = _thread_state()
     if state is not None:
@@ -126,22 +144,50 @@ def waiting(still):
             state.waits[thread] = still
 
 
+def collective_waiting(still):
+    """`waiting` for a collective's wait (`exchange`): counted for a producer thread under `producer_last` only,
+    where its group may wait for a thread held after its wait. A consumer's collective waits for no held thread,
+    and counted as a wait it let the producer go on while the consumers were inside a tile (the staged slope's read
+    before its wait then found the new slope, and the test passed)."""
+    if _held == "producer" and threading.current_thread().threadIdx.x < 128:
+        waiting(still)
+
+
+def woke():
+    """An emulated collective's wait (`exchange`) has passed: it does not hold."""
+    if _held is None:
+        return
+    thread, state = _thread_state()
+    if state is not None:
+        with state.cond:
+            state.waits.pop(thread, None)
+
+
 def passed():
-    """An emulated wait has passed; under `producer_last` a first-warpgroup thread holds here until every other
-    running thread waits."""
-    if not _producer_last:
+    """An emulated wait has passed; under `producer_last` (`consumers_last`) a thread of the first warpgroup (of the
+    others) holds here until every other running thread waits or holds."""
+    if _held is None:
         return
     thread, state = _thread_state()
     if state is None:
         return
     with state.cond:
         state.waits.pop(thread, None)
-        if not (thread.threadIdx.x < 128 and thread._manager._block_dim[0] > 128):
+        producer = thread.threadIdx.x < 128
+        if thread._manager._block_dim[0] <= 128 or producer != (_held == "producer"):
             return
-        state.waits[thread] = _always  # to the other first-warpgroup threads holding here, this one waits
-        held = lambda: state.waiting + sum(1 for still in state.waits.values() if still()) >= state.live
-        while not held() and state.failed is None:
+        state.waits[thread] = _always  # to the other threads holding here, this one waits
+        if producer:  # until every other thread waits (or holds)
+            held = lambda: sum(1 for still in state.waits.values() if still()) >= state.live
+        else:  # until the producer waits: holding until every other thread did serialized the consumers
+            held = lambda: sum(1 for t, still in state.waits.items() if t.threadIdx.x < 128 and still()) >= (
+                state.live_first)
+        release = state.releases
+        while state.releases == release and not held() and state.failed is None:
             state.cond.wait(0.002)  # polled: neither a wait's start nor a barrier's completion notifies this one
+        if state.releases == release:  # every thread holding goes on together (one by one, 256 took 5x as long)
+            state.releases += 1
+            state.cond.notify_all()
         state.waits.pop(thread, None)
 
 
