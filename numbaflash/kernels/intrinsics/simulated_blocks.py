@@ -122,9 +122,9 @@ def producer_last():
 
 
 def consumers_last():
-    """`producer_last`'s mirror: the other warpgroups hold after each wait until the rest of the block waits, so
-    the producer refills each stage as soon as it is released, and a consumer that reads a stage after releasing
-    it reads the next fill."""
+    """`producer_last`'s mirror: a thread of the other warpgroups holds after each wait until every running thread
+    of the first warpgroup waits, so the producer refills each stage as soon as it is released, and a consumer that
+    reads a stage after releasing it reads the next fill."""
     return _holding("consumers")
 
 
@@ -164,8 +164,8 @@ def woke():
 
 
 def passed():
-    """An emulated wait has passed; under `producer_last` (`consumers_last`) a thread of the first warpgroup (of the
-    others) holds here until every other running thread waits or holds."""
+    """An emulated wait has passed; under `producer_last` a thread of the first warpgroup holds here until every
+    other running thread waits or holds, under `consumers_last` a thread of the others until the first's wait."""
     if _held is None:
         return
     thread, state = _thread_state()
