@@ -49,20 +49,28 @@ def assert_same_bits_every_way(call, names):
                 f"mean {np.nanmean(np.abs(a.astype(np.float64) - b)):.3g}")
 
 
+if SIMULATOR:
+    @cuda.jit(device=True)
+    def fresh(bars, value):
+        """Thread 0 sets ``value[0]`` to 0 and makes each of ``bars`` an mbarrier of one arrival; the block syncs.
+        Returns the thread's index."""
+        t = cuda.threadIdx.x
+        if t == 0:
+            value[0] = 0
+            for i in range(bars.shape[0]):
+                mbarrier_init(bars, i, 1)
+        cuda.syncthreads()
+        return t
+
+
 def test_producer_last_holds_the_producer_until_the_consumers_wait():
     """A consumer's read before its wait sees the shared value from before the producer's store, its read after the
     wait the store: the producer passed its own wait at once, and held there."""
 
     @cuda.jit
     def kernel(out):
-        bars = cuda.shared.array(2, np.uint64)
-        value = cuda.shared.array(1, np.int32)
-        t = cuda.threadIdx.x
-        if t == 0:
-            value[0] = 0
-            mbarrier_init(bars, 0, 1)
-            mbarrier_init(bars, 1, 1)
-        cuda.syncthreads()
+        bars, value = cuda.shared.array(2, np.uint64), cuda.shared.array(1, np.int32)
+        t = fresh(bars, value)
         if t == 0:  # the producer: its wait on a fresh barrier's last phase passes at once
             while mbarrier_try_wait(bars, 1, 1) == 0:
                 pass
@@ -87,14 +95,8 @@ def test_consumers_last_holds_the_consumers_until_the_producer_waits():
 
     @cuda.jit
     def kernel(out):
-        bars = cuda.shared.array(3, np.uint64)
-        value = cuda.shared.array(1, np.int32)
-        t = cuda.threadIdx.x
-        if t == 0:
-            value[0] = 0
-            for i in range(3):
-                mbarrier_init(bars, i, 1)
-        cuda.syncthreads()
+        bars, value = cuda.shared.array(3, np.uint64), cuda.shared.array(1, np.int32)
+        t = fresh(bars, value)
         if t == 0:  # the producer
             while mbarrier_try_wait(bars, 2, 0) == 0:  # the consumer's signal
                 pass
