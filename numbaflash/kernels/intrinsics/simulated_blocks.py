@@ -7,7 +7,7 @@ lock, so every simulated thread shares the CPU with it. `WaitingBlockManager` ke
 aborts the others and is raised) with a condition variable: the last thread to arrive releases the others,
 and the manager sleeps until the block ends. `install` puts it in the simulator; `kernels.intrinsics` installs it
 whenever the simulator is on. `producer_last` holds a producer warpgroup after each wait until the rest of its
-block waits, `consumers_last` the other warpgroups (tests/test_producer_last.py), through the emulated waits'
+block waits, `consumers_last` the other warpgroups (tests/test_staged_reads.py), through the emulated waits'
 `waiting` and `passed`.
 
 On this project's 2-core CPU machine the CI suite ran in 470 s against 793 s, and one test alone 2.4-4x faster
@@ -154,16 +154,11 @@ def collective_waiting(still):
 
 
 def woke():
-    """An emulated collective's wait (`exchange`) has passed: it does not hold."""
-    if _held is None:
-        return
-    thread, state = _thread_state()
-    if state is not None:
-        with state.cond:
-            state.waits.pop(thread, None)
+    """An emulated collective's wait (`exchange`) has passed: `passed`, without holding."""
+    passed(hold=False)
 
 
-def passed():
+def passed(hold=True):
     """An emulated wait has passed; under `producer_last` a thread of the first warpgroup holds here until every
     other running thread waits or holds, under `consumers_last` a thread of the others until the first's wait."""
     if _held is None:
@@ -174,7 +169,7 @@ def passed():
     with state.cond:
         state.waits.pop(thread, None)
         producer = thread.threadIdx.x < 128
-        if thread._manager._block_dim[0] <= 128 or producer != (_held == "producer"):
+        if not hold or thread._manager._block_dim[0] <= 128 or producer != (_held == "producer"):
             return
         state.waits[thread] = _always  # to the other threads holding here, this one waits
         if producer:  # until every other thread waits (or holds)

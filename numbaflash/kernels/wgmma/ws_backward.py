@@ -253,6 +253,11 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
         bulk_load(smem, stats_at + 2 * BLOCK_N, delta, (at, h, 1, stats_first + q_start), STATS_BYTES // 2, landed)
 
     @device_function
+    def slope_slot(base, stage):
+        # float32 index of ring stage ``stage``'s ALiBi slope (written by the producer, read by the consumers)
+        return (base + SLOPE_AT) // 2 + stage * (SLOPE_ELEMENTS // 2)
+
+    @device_function
     def release_barrier(wg, it):
         # The named barrier of consumer wg's release of tile it's stage: one per consumer and stage, so that a
         # consumer's arrivals for the next tile (which it reaches before the producer waits for this one) count
@@ -286,7 +291,7 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
             if lane == 0:
                 if ALIBI:  # before the arrival that lands the stage (the consumers' wait orders their read after it)
                     slopes = cuda.shared.array(0, types.float32)
-                    slopes[(base + SLOPE_AT) // 2 + s * (SLOPE_ELEMENTS // 2)] = slope_of(prepare(b, h, mod))
+                    slopes[slope_slot(base, s)] = slope_of(prepare(b, h, mod))
                 copy_query_tile(smem, base, delta, maps, h, q_start, it, q_seq, stats_first, at,
                                 base + TAIL if tail else full)
             if tail:
@@ -364,8 +369,7 @@ def _build_key_pass(D, tiles, storage, mods, accumulate_dq):
                 # what the modifications read for this head (`kernels.mods`); its slope as the producer staged it,
                 # read after the wait (read before it, racecheck found 24 hazards: the producer refills the slot once
                 # the stage's last tile is released, which may come after this consumer reaches the read)
-                bh = (prepare_staged(mod, stats[(base + SLOPE_AT) // 2 + stage * (SLOPE_ELEMENTS // 2)]) if ALIBI
-                      else prepare(b, h, mod))
+                bh = prepare_staged(mod, stats[slope_slot(base, stage)]) if ALIBI else prepare(b, h, mod)
 
                 step(smem, descs, at, s, dp, dlogit, p, d_s, dk_acc, dv_acc, stats, st, q_start, warp_key, key_start,
                      g, t, seqlen_q, seqlen_k, left, right, scale_log2, b, h, bh, full, mod, slot)
