@@ -2,10 +2,12 @@
 failures raised, and a block's manager asleep while its threads work."""
 
 import time
+import warnings
 
 import numpy as np
 import pytest
 
+import numbaflash
 from numbaflash.kernels.intrinsics import SIMULATOR
 
 pytestmark = pytest.mark.skipif(not SIMULATOR, reason="the simulator's block manager")
@@ -80,3 +82,35 @@ def test_the_manager_sleeps_while_a_thread_works():
     cpu, wall = time.thread_time() - start, time.perf_counter() - wall
     assert (out == 1).all()
     assert wall >= 0.3 and cpu < 0.1, (cpu, wall)
+
+
+def test_a_block_takes_its_launchs_floating_point_error_handling():
+    """NumPy's error handling is per thread and a new thread starts from the defaults (warn on an invalid result): a
+    simulated thread takes the launching thread's ``np.errstate`` instead."""
+
+    @cuda.jit
+    def kernel(out, x):
+        out[cuda.threadIdx.x] = x[0] - x[0]
+
+    out, x = np.zeros(4), np.array([np.inf])
+    with np.errstate(invalid="raise"), pytest.raises(FloatingPointError):
+        kernel[1, 4](out, x)
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kernel[1, 4](out, x)
+    assert np.isnan(out).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_numbaflash_kernels_warn_of_nothing_the_gpu_computes(dtype):
+    """Rows that see no key (a window, and the tiles' rows past seqlen_q) subtract a -inf maximum from itself until
+    a key shows: NaN, which no comparison passes, on the GPU and in NumPy alike, but NumPy warns. A call warns of
+    nothing, forward and backward, whatever the caller's error handling (the warnings filter is the process's, so
+    it reaches the simulated threads)."""
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((1, n, 2, 16)).astype(dtype) for n in (7, 5, 5))
+    with np.errstate(all="raise"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, lse = numbaflash.attention(q, k, v, window_size=(0, 0), return_lse=True)
+        numbaflash.attention_backward(np.ones_like(out), q, k, v, out, lse, window_size=(0, 0))
+    assert np.isneginf(lse[0, :, :2]).all() and np.isfinite(lse[0, :, 2:]).all()
