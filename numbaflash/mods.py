@@ -261,7 +261,8 @@ def modify(s, softcap=0.0, alibi_slopes=None, score_mod=None, score_mod_grad=Non
     precision (the user's functions in float64); the derivative is None for a score_mod without its grad."""
     ds = np.ones_like(s)
     if softcap:
-        t = np.tanh(s / softcap)
+        with np.errstate(over="ignore"):  # a softcap near the smallest normal number: s / softcap is +-inf, tanh +-1
+            t = np.tanh(s / softcap)
         s, ds = softcap * t, 1 - t * t
     if alibi_slopes is not None:
         slopes = np.asarray(alibi_slopes, dtype=s.dtype)
