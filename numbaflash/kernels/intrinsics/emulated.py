@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 
 from . import simulated_blocks
-from .exchange import exchange, group_result
+from .exchange import Meeting as _Meeting, exchange, group_result
 from .polynomials import EX2_FMA_COEFFICIENTS, EX2_FMA_F16X2_COEFFICIENTS, EX2_FMA_F16X2_FLOOR, EX2_FMA_F16X2_MAGIC
 
 _registry_lock = threading.Lock()
@@ -194,40 +194,19 @@ def tanh_approx(x):
     return np.float32(np.tanh(np.float32(x)))
 
 
-class _NamedBarrier:
-    """A hardware barrier other than syncthreads': the ``threads``-th arrival completes it and releases
-    the threads that wait (``bar.sync``); an arriving thread (``bar.arrive``) does not wait."""
-
-    def __init__(self):
-        self.arrived = 0
-        self.generation = 0
-        self.cond = threading.Condition()
-
-    def arrive(self, threads, wait):
-        with self.cond:
-            generation = self.generation
-            self.arrived += 1
-            if self.arrived == threads:
-                self.arrived = 0
-                self.generation += 1
-                self.cond.notify_all()
-            elif wait:
-                simulated_blocks.waiting(lambda: self.generation == generation)
-                self.cond.wait_for(lambda: self.generation != generation)
-        if wait:
-            simulated_blocks.passed()  # outside the barrier's lock, which the others need to arrive
-
-
 def _named_barrier(barrier):
     manager = threading.current_thread()._manager  # one per running thread block
     with _registry_lock:  # the block's threads find or make its barriers together
         barriers = manager.__dict__.setdefault("_numbaflash_named_barriers", {})
-        return barriers.setdefault(int(barrier), _NamedBarrier())
+        return barriers.setdefault(int(barrier), _Meeting())
 
 
 def named_barrier_sync(barrier, threads):
-    _named_barrier(barrier).arrive(int(threads), True)
+    # A hardware barrier other than syncthreads': the ``threads``-th arrival completes it and releases the threads
+    # that wait (``bar.sync``); an arriving thread (``bar.arrive``) does not wait.
+    _named_barrier(barrier).arrive(int(threads), True, simulated_blocks.waiting)
+    simulated_blocks.passed()  # outside the barrier's lock, which the others need to arrive
 
 
 def named_barrier_arrive(barrier, threads):
-    _named_barrier(barrier).arrive(int(threads), False)
+    _named_barrier(barrier).arrive(int(threads), False, simulated_blocks.waiting)

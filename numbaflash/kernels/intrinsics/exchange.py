@@ -18,33 +18,43 @@ WARPGROUP = 128
 _registry_lock = threading.Lock()
 
 
+class Meeting:
+    """A barrier whose ``threads``-th arrival completes it, ``generation`` counting its completions; an arrival that
+    waits sleeps until its generation completes. One notification a generation: threading.Barrier, which fills and
+    then drains, notifying at each, took 1.15-1.35x as long over a simulated mma.sync forward (4 heads, seqlen 64,
+    headdim 128, causal) and 1.17x over tests/test_staged_reads.py in the exchanges."""
+
+    def __init__(self):
+        self.arrived = 0
+        self.generation = 0
+        self.cond = threading.Condition()
+
+    def arrive(self, threads, wait, waiting):
+        """``waiting(still)`` (`simulated_blocks.waiting`'s signature) is told before the arrival sleeps."""
+        with self.cond:
+            generation = self.generation
+            self.arrived += 1
+            if self.arrived == threads:
+                self.arrived = 0
+                self.generation += 1
+                self.cond.notify_all()
+            elif wait:
+                waiting(lambda: self.generation == generation)
+                while self.generation == generation:
+                    self.cond.wait()
+
+
 class _Group:
     """Two slot buffers used alternately: one barrier per exchange suffices, because a thread can only
     write buffer n + 2 after barrier n + 1, which every thread passes only after reading buffer n."""
 
     def __init__(self, size):
         self.size = size
-        self.arrived = 0
-        self.completed = 0  # exchanges the whole group has met at (`simulated_blocks.waiting`)
-        self.cond = threading.Condition()
+        self.meeting = Meeting()  # its generation: the exchanges the whole group has met at
         self.buffers = ([None] * size, [None] * size)
         self.generation = [0] * size
         self.lock = threading.Lock()
         self.results = [None, None]  # (generation, value) of the last group-wide result per buffer
-
-    def meet(self, generation):
-        """Wait until the whole group has deposited for exchange ``generation``: the last to arrive wakes the rest.
-        threading.Barrier, which fills and then drains, notifying at each, took 1.15-1.35x as long over a simulated
-        mma.sync forward (4 heads, seqlen 64, headdim 128, causal) and 1.17x over tests/test_staged_reads.py."""
-        with self.cond:
-            self.arrived += 1
-            if self.arrived == self.size:
-                self.arrived = 0
-                self.completed += 1
-                self.cond.notify_all()
-            else:
-                while self.completed <= generation:
-                    self.cond.wait()
 
 
 def _deposit(value, size):
@@ -67,8 +77,7 @@ def _deposit(value, size):
     slots = group.buffers[generation % 2]
     group.generation[rank] += 1
     slots[rank] = value
-    simulated_blocks.collective_waiting(lambda: group.completed <= generation)  # its group's last thread may be held
-    group.meet(generation)
+    group.meeting.arrive(group.size, True, simulated_blocks.collective_waiting)  # its last thread may be held
     simulated_blocks.woke()
     return slots, rank, group, generation
 
