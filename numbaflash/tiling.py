@@ -129,7 +129,8 @@ class WgmmaTiles:
     beside P V (`wgmma.row_sums`) instead of the softmax's adds; with ``bounded_max`` (v5) a call with softcap alone
     takes softcap's bound for every row's maximum (`fixed_maximum`), other calls ignore it; with ``scores_ahead`` (v5
     forward) each consumer issues a key tile's S = Q K^T one tile early, into a second register set, so that it runs
-    under the softmax of the tile before it; with ``dq_deferred`` (v5 backward) the dQ pass issues each key tile's dQ +=
+    under the softmax of the tile before it (a rung of the ladder no plan takes since three consumers ran softcap at
+    headdim 128 faster, `WGMMA_SOFTCAP_TILES`); with ``dq_deferred`` (v5 backward) the dQ pass issues each key tile's dQ +=
     dS K after the next tile's S and dP, so that it runs under that tile's dS."""
 
     block_m: int
@@ -307,18 +308,32 @@ WGMMA_USER_FUNCTION_TILES = {64: WgmmaTiles(128, 128, 2, producer=True, tma=True
 # 128 blocks 1.38-1.39x); at 128 1.15x with none, 1.17-1.18x with 2, 4 or 6 of 16. Three runs of each on the H100
 # (2026-11-26, .bench/cap_ab.py, non-causal then causal, means): 1.38x and 1.37x with none, 1.38x and 1.34x with 2,
 # 1.39x and 1.37x with 3, 1.40x and 1.38x with 4: 2 (it was 4).
-# At headdim 128 softcap's forward issues each tile's S a tile ahead (`WgmmaTiles.scores_ahead`), in 96-key tiles
-# whose two S register sets fit two consumers (128 keys spilled 264 bytes, 112 spilled 64; ptxas 13.0), without
-# ping-pong: its time over the 128 x 128 ping-pong tiles' 0.953 (0.951-0.957), 0.983 (0.956-0.984) and 0.958
-# (0.939-0.967x) in three runs (H100, 2026-11-27, fp16, N = 16384, 16 heads, no LSE, three rounds each, .bench/ahead.py),
-# with ping-pong 0.980, in 64-key tiles 1.009-1.025, with 2 or 4 chunks of ex2 on the FMA pipe 1.00-1.02, without
-# ahead 1.03 (96 keys) and 0.99 (128). At 64 none beat the plan above: 128 x 128 0.988-1.043x its time (with 2-8
-# chunks of float16 pairs 0.997-1.021x), 128 x 96 1.035-1.092x, 192 x 64 1.044x; the plain kernels ran slower
-# (1.05x at 128, 1.10-1.21x at 64).
+# At headdim 128 softcap's softmax, tanh and ex2 per score, takes about as long as another consumer's products of a 64
+# x 128 tile: with two consumers it sat exposed, with three on 80-key tiles two others' products run under it.
+# softcap's forward over the plain one's (H200, 2026-11-28, fp16 unless said, N = 16384, 16 heads, no LSE, five
+# interleaved rounds each, .bench/cap_sweep.py), these tiles against the 128 x 96 ones below in the same run: 1.172x
+# (1.169-1.176) against 1.191x, and after the change 1.165x against 1.172x, causal 1.176x against 1.173x, bfloat16
+# with its bound 1.096x against 1.142x; packed sequences (.bench/cap_varlen.py, over the plain varlen forward) 64 of
+# 32-1024 tokens 1.087x against 1.185x (causal 1.151x against 1.237x), 16 of 1024 1.308x against 1.342x (causal 1.340x
+# against 1.293x), with 32 bytes of local memory where those tiles had 20 (ptxas 13.0). Not taken: 192 x 80 with
+# ping-pong 1.165x and 1.172x (causal 1.165x, bfloat16 1.088x) with 32 bytes of local memory (ptxas 13.0: 160
+# registers a consumer are three consumers' most, `wgmma.pipeline.REGISTERS`; without ping-pong none), in three stages
+# 1.164x (causal 1.181x); 192 x 64 1.179x, with ping-pong 1.203x (three stages 1.223x, 2 chunks of ex2 on the FMA pipe
+# 1.262x); 192 x 96 1.283x, with ping-pong 1.456x (80 bytes of spills). At headdim 64 three consumers on 80 keys ran
+# 1.420x (with ping-pong 1.396x), on 96 without ping-pong 1.372x and on 112 with it 1.350x, against the plan's 1.346x
+# (its row sums and float16 pairs in each).
+# Before it, each consumer issued a tile's S a tile ahead (`WgmmaTiles.scores_ahead`), in 96-key tiles whose two S
+# register sets fit two consumers (128 keys spilled 264 bytes, 112 spilled 64; ptxas 13.0), without ping-pong:
+# its time over the 128 x 128 ping-pong tiles' 0.953 (0.951-0.957), 0.983 (0.956-0.984) and 0.958 (0.939-0.967x)
+# in three runs (H100, 2026-11-27, fp16, N = 16384, 16 heads, no LSE, three rounds each, .bench/ahead.py), with
+# ping-pong 0.980, in 64-key tiles 1.009-1.025, with 2 or 4 chunks of ex2 on the FMA pipe 1.00-1.02, without
+# ahead 1.03 (96 keys) and 0.99 (128); with three consumers its second S spills (232 bytes at 192 x 64). At 64
+# none beat the plan above: 128 x 128 0.988-1.043x its time (with 2-8 chunks of float16 pairs 0.997-1.021x),
+# 128 x 96 1.035-1.092x, 192 x 64 1.044x; the plain kernels ran slower (1.05x at 128, 1.10-1.21x at 64).
 WGMMA_SOFTCAP_TILES = {64: dataclasses.replace(WGMMA_TILES[64], exp2_fma=2),
-                       128: WgmmaTiles(128, 96, 2, producer=True, tma=True, scores_ahead=True)}
-SCORES_AHEAD_REASON = ("softcap's tanh and ex2 per score: each consumer issues a key tile's S a tile ahead, so its "
-                       "softmax starts without waiting for a product")
+                       128: WgmmaTiles(192, 80, 3, producer=True, tma=True)}
+SOFTCAP_CONSUMERS_REASON = ("softcap's tanh and ex2 per score: three consumer warpgroups on 80-key tiles, so two "
+                            "others' products run under each one's softmax")
 # With the tensor cores' row sums (`ROW_SUMS_HEADDIMS`) a float16 P is needed only as the 16-bit words P V takes, so
 # the FMA pipe's chunks take their exponentials two at a time as float16 pairs (`ex2_fma_f16x2`: 11 instructions a
 # pair, 4 of them HFMA2, against `ex2_fma`'s 9 a score and the pair's conversion), and more chunks pay. H100,
@@ -862,8 +877,8 @@ def _wgmma_forward_plan(shape, device, tiles, aligned, packed, user_functions, s
         elif tiles.alibi_columns:
             copies = ("; ALiBi alone: one more wgmma k-step adds the bias's column term to each key tile on one side "
                       "of a warpgroup's diagonal, whose scores then take no instruction of their own")
-        elif tiles.scores_ahead:
-            copies = f"; {SCORES_AHEAD_REASON}"
+        elif softcap_alone and tiles == WGMMA_SOFTCAP_TILES.get(D):
+            copies = f"; {SOFTCAP_CONSUMERS_REASON}"
         cp_async = ("q, k or v has a head dim that is not contiguous, not a multiple of 8 or not 16-byte aligned, "
                     "which the bulk tensor copy engine cannot read" if tiles.tma and not aligned else "")
         if (cp_async or not tiles.producer) and D not in WGMMA_CP_ASYNC_TILES:

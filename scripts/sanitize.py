@@ -52,10 +52,14 @@ def grid():
                     # from beside each block's diagonal (`key_tiles.tile_order`)
                     numbaflash.attention(q, k, v, alibi_slopes=cupy.full((h,), 0.5, np.float32), **mask)
                     numbaflash.attention(*(cupy.concatenate([x] * 4, axis=-1) for x in (q, k, v)), **mask)
-                    # softcap alone at headdim 128: each key tile's S issued a tile ahead (`WgmmaTiles.scores_ahead`),
-                    # over four 96-key tiles, the last's second S from a stage no copy writes any more
+                    # softcap alone at headdim 128: three consumers over four 80-key tiles, the last one partial;
+                    # and each key tile's S issued a tile ahead (`WgmmaTiles.scores_ahead`, with ``tiles=``) over
+                    # four 96-key tiles, the last's second S from a stage no copy writes any more
                     q2, k2, v2, _ = operands(rng, dtype, (b, nq, h, 128), (b, 300, hk, 128))
                     numbaflash.attention(q2, k2, v2, softcap=5.0, **mask)
+                    ahead = tiling.make_plan(b, h, hk, nq, 300, 128, dtype, tiles=tiling.WgmmaTiles(
+                        128, 96, 2, producer=True, tma=True, scores_ahead=True))
+                    numbaflash.attention(q2, k2, v2, softcap=5.0, plan=ahead, **mask)
         # Every modification at once, the mask through a block mask (the kernels' tile tables) on one shape:
         # the user's functions read mod_args only at visible, in-bounds indices.
         b, nq, nk, h, hk, d = shapes[0]

@@ -76,7 +76,15 @@ def test_wgmma_forward_with_ping_pong_consumers(case, consumers, arrays, poisone
     check_forward(case, with_tiles(case, tiles), *arrays)
 
 
-# Each tile's scores issued a tile ahead, into a second register set (softcap alone's plan at headdim 128): one key
+def test_wgmma_forward_with_three_consumers_without_turns(arrays, poisoned):
+    """softcap alone's plan at headdim 128 (`tiling.WGMMA_SOFTCAP_TILES`): three consumer warpgroups that issue their
+    products without ping-pong, the last one's rows past the sequence, causal."""
+    case = Case(1, 150, 50, 1, 1, 128, "float16", causal=True, seed=25, modifications=dict(softcap=30.0))
+    check_forward(case, with_tiles(case, WgmmaTiles(192, 16, 3, producer=True, tma=True)), *arrays)
+
+
+# Each tile's scores issued a tile ahead, into a second register set (softcap alone's plan at headdim 128 before
+# three consumers ran it faster, `tiling.WGMMA_SOFTCAP_TILES`): one key
 # tile (the second S, past the last tile, is never read), an odd and an even number of them (the loop takes two a
 # pass), causal rows that see no key, a window over GQA, two consumers taking turns, and softcap with its bound as
 # each row's maximum.

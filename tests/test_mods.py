@@ -1131,10 +1131,11 @@ def test_softcap_alone_at_headdim_64_takes_part_of_its_exponentials_from_the_fma
         tiling.WgmmaTiles(64, 16, 1, exp2_fma=3)
 
 
-def test_softcap_alone_at_headdim_128_issues_each_tiles_scores_ahead():
-    """At headdim 128 softcap alone's forward plans `tiling.WGMMA_SOFTCAP_TILES` (each tile's S issued a tile ahead,
-    `wgmma.ws_forward`) and says why, with or without the LSE and in bfloat16 with its bound; the plain forward,
-    headdim 64, softcap with ALiBi and the backward do not; only v5 has it."""
+def test_softcap_alone_at_headdim_128_runs_three_consumers():
+    """At headdim 128 softcap alone's forward plans `tiling.WGMMA_SOFTCAP_TILES` (three consumer warpgroups on 80-key
+    tiles) and says why, with or without the LSE and in bfloat16 with its bound; the plain forward,
+    headdim 64, softcap with ALiBi and the backward do not. Issuing each tile's scores ahead, which the plan took
+    before, is v5's alone."""
     from numbaflash.mods import Mods
 
     hopper = tiling.Device("H100 (planned)", (9, 0), 132, 227 * 1024)
@@ -1143,13 +1144,16 @@ def test_softcap_alone_at_headdim_128_issues_each_tiles_scores_ahead():
         return tiling.make_plan(1, 8, 8, 2048, 2048, headdim, dtype, device=hopper, backward=backward, lse=lse,
                                 user_functions=mods.per_score_functions, softcap_alone=mods.softcap_alone, softcap=30.0)
 
-    for ahead in (plan(Mods(softcap=True)), plan(Mods(softcap=True), lse=False),
+    for three in (plan(Mods(softcap=True)), plan(Mods(softcap=True), lse=False),
                   plan(Mods(softcap=True), dtype="bfloat16")):
-        assert ahead.tiles.scores_ahead and tiling.SCORES_AHEAD_REASON in ahead.reason
-        assert (ahead.tiles.block_m, ahead.tiles.block_n) == (128, 96)
+        assert tiling.SOFTCAP_CONSUMERS_REASON in three.reason, three.reason
+        assert (three.tiles.block_m, three.tiles.block_n, three.tiles.warpgroups, three.tiles.pingpong) == (
+            192, 80, 3, False)
+        assert three.kernel == "wgmma_tma_forward"
     assert plan(Mods(softcap=True), dtype="bfloat16").tiles.bounded_max
+    assert not plan(Mods(softcap=True)).tiles.bounded_max
     for other in (plan(Mods()), plan(Mods(softcap=True), headdim=64), plan(Mods(softcap=True, alibi=True)),
                   plan(Mods(softcap=True), backward=True)):
-        assert not getattr(other.tiles, "scores_ahead", False) and tiling.SCORES_AHEAD_REASON not in other.reason
+        assert other.tiles.block_n != 80 and tiling.SOFTCAP_CONSUMERS_REASON not in other.reason
     with pytest.raises(ValueError, match="scores_ahead.*are v5's"):
         tiling.WgmmaTiles(64, 16, 1, producer=True, scores_ahead=True)

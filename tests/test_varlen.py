@@ -120,8 +120,8 @@ def test_each_sequence_equals_its_own_problem(family, name, causal, arrays, pois
     check_sequences(cases, results, cu, arrays[0], backward)
 
 
-# v5's forward whose consumers issue each tile's S a tile ahead (softcap alone's plan at headdim 128), K's copies two
-# tiles ahead of V's
+# v5's forward whose consumers issue each tile's S a tile ahead (a rung no plan takes: `WgmmaTiles.scores_ahead`), K's
+# copies two tiles ahead of V's
 AHEAD = "wgmma v5, scores ahead"
 PACKED_FAMILIES = dict(FAMILIES, **{AHEAD: ("float16", tiling.WgmmaTiles(64, 16, 1, producer=True, tma=True,
                                                                          scores_ahead=True))})
@@ -180,8 +180,8 @@ def test_each_sequence_equals_its_own_problem_at_real_sizes(family, name, arrays
 
 @pytest.mark.gpu
 def test_softcap_alone_over_packed_sequences_at_real_sizes(arrays, poisoned):
-    """softcap alone's own forward plans over many packed sequences of odd lengths, causal: at headdim 128 each tile's
-    S issued a tile ahead (`tiling.WGMMA_SOFTCAP_TILES`), at 64 part of ex2 on the FMA pipe."""
+    """softcap alone's own forward plans over many packed sequences of odd lengths, causal: at headdim 128 three
+    consumers on 80-key tiles (`tiling.WGMMA_SOFTCAP_TILES`), at 64 part of ex2 on the FMA pipe."""
     seqlens_q, seqlens_k = odd_lengths(23)
     for headdim in (64, 128):
         cases, results, cu = run("float16", "softcap alone", True, *arrays, backward=True, seqlens_q=seqlens_q,
