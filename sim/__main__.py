@@ -97,6 +97,20 @@ def _tables(args):
                 print(per_tensor(r))
 
 
+def _counted(args, d, points, title, label):
+    """{algorithm: [Report, ...]}: every algorithm counted (no arithmetic) at each ``(N, SRAM KiB)`` of ``points``,
+    with the command line's batch, heads, dtype and mask; ``label(N, KiB)`` names a point in the progress line."""
+    progress = Progress(len(points) * len(ALGORITHMS), title)
+    counted = {alg: [] for alg in ALGORITHMS}
+    for n, kib in points:
+        for alg in ALGORITHMS:
+            counted[alg].append(count_io(n, d, sram_bytes=int(kib * 1024), algorithm=alg, dtype_bytes=args.dtype_bytes,
+                                         batch=args.batch, nheads=args.nheads, causal=args.causal,
+                                         window_size=tuple(args.window), compute=False))
+            progress.step(f"{label(n, kib)} {alg}")
+    return counted
+
+
 def _figures(args):
     os.makedirs(args.out, exist_ok=True)
     d, kib = args.headdim[0], args.sram_kib[0]
@@ -104,26 +118,12 @@ def _figures(args):
     n = args.seqlen[0]
     seqlens = sorted(args.seqlen) if len(args.seqlen) > 1 else sorted(
         {n} | {2**k for k in range(max(4, n.bit_length() - 5), n.bit_length()) if 2**k < n})
-    progress = Progress(len(seqlens) * len(ALGORITHMS), "traffic vs N")
-    by_n = {alg: [] for alg in ALGORITHMS}
-    for n in seqlens:
-        for alg in ALGORITHMS:
-            by_n[alg].append(count_io(n, d, sram_bytes=int(kib * 1024), algorithm=alg, dtype_bytes=args.dtype_bytes,
-                                      batch=args.batch, nheads=args.nheads, causal=args.causal,
-                                      window_size=tuple(args.window), compute=False))
-            progress.step(f"N={n} {alg}")
+    by_n = _counted(args, d, [(n, kib) for n in seqlens], "traffic vs N", lambda n, _: f"N={n}")
     plots.traffic_vs_seqlen(by_n, os.path.join(args.out, "traffic_vs_seqlen.png"))
 
     n = max(args.seqlen)
     sizes = sorted({2.0**k for k in range(5, 11)} | set(args.sram_kib))
-    progress = Progress(len(sizes) * len(ALGORITHMS), "traffic vs M")
-    by_m = {alg: [] for alg in ALGORITHMS}
-    for size in sizes:
-        for alg in ALGORITHMS:
-            by_m[alg].append(count_io(n, d, sram_bytes=int(size * 1024), algorithm=alg, dtype_bytes=args.dtype_bytes,
-                                      batch=args.batch, nheads=args.nheads, causal=args.causal,
-                                      window_size=tuple(args.window), compute=False))
-            progress.step(f"M={size:g} KiB {alg}")
+    by_m = _counted(args, d, [(n, size) for size in sizes], "traffic vs M", lambda _, size: f"M={size:g} KiB")
     plots.traffic_vs_sram(by_m, os.path.join(args.out, "traffic_vs_sram.png"))
 
     # A heat map is readable with tens of blocks a side; the causal panel shows the skipped tiles.

@@ -39,6 +39,21 @@ def _integer_ticks(ax, values):
     ax.minorticks_off()
 
 
+def _save_log_log(plt, fig, ax, path, swept, xlabel, title):
+    """A traffic figure's axes (log 2 over the ``swept`` values, log traffic), labels and legend, written to ``path``."""
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    _integer_ticks(ax, swept)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("HBM traffic (elements)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def traffic_vs_seqlen(sweep, path):
     """``sweep``: {algorithm: [Report, ...]} over increasing N with one d and M."""
     plt = _pyplot()
@@ -53,17 +68,8 @@ def traffic_vs_seqlen(sweep, path):
     line = np.geomspace(n.min() / 2, n.max() * 2, 64)
     ax.plot(line, heads * (4 * line**2 + 4 * line * d), "k--", label=r"$4N^2 + 4Nd$")
     ax.plot(line, heads * line**2 * d**2 / M, "k:", label=r"$N^2 d^2 / M$")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    _integer_ticks(ax, n)
-    ax.set_xlabel("sequence length N")
-    ax.set_ylabel("HBM traffic (elements)")
-    ax.set_title(f"Forward HBM traffic, d = {d}, M = {M} elements\n{_setting(first[0].problem)}")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save_log_log(plt, fig, ax, path, n, "sequence length N",
+                  f"Forward HBM traffic, d = {d}, M = {M} elements\n{_setting(first[0].problem)}")
 
 
 def traffic_vs_sram(sweep, path):
@@ -80,17 +86,8 @@ def traffic_vs_sram(sweep, path):
             for x, r in zip(kib, reports):
                 ax.annotate(f"{r.blocks.rows}", (x, r.total), textcoords="offset points", xytext=(0, 6),
                             ha="center", fontsize=7, color=color)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    _integer_ticks(ax, kib)
-    ax.set_xlabel(f"SRAM M (KiB at {first[0].dtype_bytes} B/element); labels: FlashAttention-2's B_r")
-    ax.set_ylabel("HBM traffic (elements)")
-    ax.set_title(f"Forward traffic vs SRAM size, N = {p.seqlen_q}, d = {p.headdim}\n{_setting(p)}")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save_log_log(plt, fig, ax, path, kib, f"SRAM M (KiB at {first[0].dtype_bytes} B/element); labels: "
+                  "FlashAttention-2's B_r", f"Forward traffic vs SRAM size, N = {p.seqlen_q}, d = {p.headdim}\n{_setting(p)}")
 
 
 def _tile_grid(report):
