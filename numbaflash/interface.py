@@ -230,21 +230,23 @@ def _accumulator_scalar(call):
     return np.float64 if call.dtype == "float64" else np.float32
 
 
-def _plan_for(call, backward, device=None, dout=None, deterministic=True, lse=True):
+def _plan_for(call, backward, device=None, dout=None, deterministic=True, lse=True, tiles=None):
     """The plan of ``call`` on ``device`` (default: the GPU its operands are on, current under `_device_context`,
     where the plan is remembered with the layout); a backward's ``dout`` counts for the alignment its copies need;
-    ``lse``: the caller takes the forward's LSE (`tiling.make_plan`)."""
+    ``lse``: the caller takes the forward's LSE (`tiling.make_plan`); ``tiles``: blocks in place of the planned ones."""
     aligned = call.remembered("aligned", lambda: all(op.vector_aligned(8) for op in (call.q, call.k, call.v)))
     aligned = aligned and (dout is None or dout.vector_aligned(8))
-    if device is not None:
-        return _make_plan(call, backward, device, aligned, deterministic, lse)
+    if device is not None or tiles is not None:
+        return _make_plan(call, backward, device or tiling.current_device(call.device), aligned, deterministic, lse,
+                          tiles)
     return call.remembered(("plan", backward, aligned, deterministic, lse), lambda: _make_plan(
         call, backward, tiling.current_device(call.device), aligned, deterministic, lse))
 
 
-def _make_plan(call, backward, device, aligned, deterministic, lse):
+def _make_plan(call, backward, device, aligned, deterministic, lse, tiles=None):
     return tiling.make_plan(call.batch, call.nheads, call.nheads_kv, call.seqlen_q, call.seqlen_k, call.headdim,
-                            call.dtype, backward=backward, device=device, aligned=aligned, packed=call.mods.packed,
+                            call.dtype, backward=backward, device=device, tiles=tiles, aligned=aligned,
+                            packed=call.mods.packed,
                             user_functions=call.mods.per_score_functions, deterministic=deterministic,
                             softcap_alone=call.mods.softcap_alone, block_sparse=call.mods.block_sparse,
                             alibi_alone=call.mods.alibi_alone, lse=lse, softcap=call.softcap,
@@ -268,13 +270,12 @@ def _check_plan(plan, call, direction, lse=False):
                         f"got {type(plan).__name__}")
     if lse and getattr(plan.tiles, "row_sums", False):
         raise ValueError("plan sums P's rows on the tensor cores (tiles.row_sums), which gives no exact LSE: call "
-                         "without return_lse, or with a plan made with lse=True (tiling.make_plan's default)")
+                         "without return_lse, or with numbaflash.plan(..., return_lse=True)'s plan (tiling.make_plan's lse=True)")
     if getattr(plan.tiles, "bounded_max", False) and call.mods.softcap_alone and not tiling.fixed_maximum(
             call.dtype, call.softcap):
         raise ValueError(f"plan takes softcap's bound for each row's maximum (tiles.bounded_max), which holds for "
                          f"bfloat16 with softcap * log2(e) <= {tiling.BOUNDED_MAX_LOG2:g}; got {call.dtype}, softcap "
-                         f"{call.softcap:g}: make the call's plan with tiling.make_plan(..., softcap_alone=True, "
-                         "softcap=its softcap)")
+                         f"{call.softcap:g}: make the call's plan with numbaflash.plan(..., softcap=its softcap)")
     expected = (direction, call.dtype, call.batch, call.nheads, call.nheads_kv, call.seqlen_q, call.seqlen_k, call.headdim)
     got = (plan.direction, plan.dtype, plan.batch, plan.nheads, plan.nheads_kv, plan.seqlen_q, plan.seqlen_k, plan.headdim)
     if got != expected:
@@ -310,19 +311,31 @@ def _primary_context(device):
 
 
 def plan(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), backward=False, device=None,
-         deterministic=True):
-    """The `tiling.Plan` that `attention` (or, with ``backward=True``, `attention_backward` with
-    ``deterministic``) would run.
+         deterministic=True, softcap=0.0, alibi_slopes=None, score_mod=None, score_mod_grad=None, mask_mod=None,
+         mod_args=(), block_mask=None, return_lse=False, tiles=None):
+    """The `tiling.Plan` that `attention` (with ``return_lse``), or with ``backward=True`` `attention_backward` with
+    ``deterministic``, would run for these operands and modifications: the same arguments, checked as those calls
+    check them (a plan depends on softcap, ALiBi, the user's functions, a block mask and, forward, on whether the
+    LSE is taken: `tiling.make_plan`). Pass it to the call as ``plan=``.
 
-    ``device`` (a `tiling.Device`) plans for another GPU than the current one.
+    ``device`` (a `tiling.Device`) plans for another GPU than the current one. ``tiles`` (a `tiling.Tiles`,
+    `tiling.MmaTiles` or `tiling.WgmmaTiles`) replaces the planned blocks, the rest of the plan made for this call:
+    the ladder of kernel versions and their tilings, one call at a time (`tiling` says which each plan takes and
+    why).
     """
-    call = inspect(q, k, v, causal, softmax_scale, window_size)
     arguments.flag(backward, "backward")
     arguments.flag(deterministic, "deterministic")
+    arguments.flag(return_lse, "return_lse")
     if device is not None and not isinstance(device, tiling.Device):
         raise TypeError(f"device must be None (the current GPU) or a numbaflash.tiling.Device; got {type(device).__name__}")
+    if tiles is not None and not isinstance(tiles, (tiling.Tiles, tiling.MmaTiles, tiling.WgmmaTiles)):
+        raise TypeError(f"tiles must be None (the planned blocks) or a numbaflash.tiling.Tiles, MmaTiles or WgmmaTiles; "
+                        f"got {type(tiles).__name__}")
+    call = inspect(q, k, v, causal, softmax_scale, window_size, modifications=dict(
+        softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod, score_mod_grad=score_mod_grad,
+        mask_mod=mask_mod, mod_args=mod_args, block_mask=block_mask), backward=backward)
     with _device_context(call):
-        return _plan_for(call, backward, device, deterministic=deterministic)
+        return _plan_for(call, backward, device, deterministic=deterministic, lse=return_lse or backward, tiles=tiles)
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False, plan=None,

@@ -1157,3 +1157,49 @@ def test_softcap_alone_at_headdim_128_runs_three_consumers():
         assert other.tiles.block_n != 80 and tiling.SOFTCAP_CONSUMERS_REASON not in other.reason
     with pytest.raises(ValueError, match="scores_ahead.*are v5's"):
         tiling.WgmmaTiles(64, 16, 1, producer=True, scores_ahead=True)
+
+
+def test_plan_is_the_plan_of_the_call_with_its_modifications():
+    """`numbaflash.plan` takes `attention`'s modifications and plans what the call runs: on a Hopper device softcap
+    alone's own tiles (at headdim 64 the tensor cores' row sums where the LSE is not taken), ALiBi alone's column
+    operands, a block mask's shared blocks, the backward's tiles; ``tiles=`` replaces the blocks and keeps the call's
+    plan otherwise; bad modifications are refused as the call refuses them; a plan runs the call bit for bit."""
+    hopper = tiling.Device("H100 (planned)", (9, 0), 132, 227 * 1024)
+    rng = np.random.default_rng(0)
+    qkv64, qkv128 = ([rng.standard_normal((1, 256, 2, d)).astype(np.float16) for _ in range(3)] for d in (64, 128))
+
+    def plan(qkv, **options):
+        return numbaflash.plan(*qkv, device=hopper, **options)
+
+    assert plan(qkv128, softcap=30.0).tiles == tiling.WGMMA_SOFTCAP_TILES[128]
+    assert plan(qkv128).tiles == tiling.WGMMA_TILES[128]
+    assert plan(qkv64, softcap=30.0).tiles.row_sums and not plan(qkv64, softcap=30.0, return_lse=True).tiles.row_sums
+    assert plan(qkv64, softcap=30.0, return_lse=True).tiles == tiling.WGMMA_SOFTCAP_TILES[64]
+    slopes = np.full(2, 0.5, np.float32)
+    assert plan(qkv64, alibi_slopes=slopes, return_lse=True).tiles == tiling.WGMMA_ALIBI_TILES[64]
+    causal = numbaflash.block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, None, None, 256, 256)
+    assert plan(qkv64, block_mask=causal).tiles == tiling.WGMMA_BLOCK_SPARSE_TILES[64]
+    assert plan(qkv64, softcap=30.0, backward=True).tiles == tiling.WGMMA_BACKWARD_TILES[64]
+    ahead = tiling.WgmmaTiles(128, 96, 2, producer=True, tma=True, scores_ahead=True)
+    asked = plan(qkv128, softcap=30.0, tiles=ahead)
+    assert asked.tiles == ahead and asked.kernel == plan(qkv128, softcap=30.0).kernel
+
+    for options, error in ((dict(softcap=-1.0), ValueError), (dict(alibi_slopes=slopes[:1]), ValueError),
+                           (dict(score_mod=tempered, mod_args=(np.zeros(2, np.int32), np.ones(2, np.float32)),
+                                 backward=True), ValueError)):
+        backward = options.pop("backward", False)
+        with pytest.raises(error) as refused:
+            plan(qkv64, backward=backward, **options)
+        call = numbaflash.attention_backward if backward else numbaflash.attention
+        with pytest.raises(error) as by_the_call:
+            call(*([qkv64[0]] if backward else []), *qkv64, *([qkv64[0], np.zeros((1, 2, 256), np.float32)]
+                                                              if backward else []), **options)
+        assert str(refused.value) == str(by_the_call.value)
+    with pytest.raises(TypeError, match="tiles must be None"):
+        plan(qkv64, tiles="fast")
+    with pytest.raises(TypeError, match="return_lse must be True or False"):
+        plan(qkv64, return_lse=1)
+
+    q, k, v = (rng.standard_normal((1, 20, 2, 16)).astype(np.float32) for _ in range(3))
+    planned = numbaflash.attention(q, k, v, softcap=5.0, plan=numbaflash.plan(q, k, v, softcap=5.0))
+    np.testing.assert_array_equal(planned, numbaflash.attention(q, k, v, softcap=5.0))
