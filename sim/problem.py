@@ -39,6 +39,17 @@ class Problem:
         """``(j, c0, c1)`` for each block of keys."""
         return [(j, c0, min(c0 + block_cols, self.seqlen_k)) for j, c0 in enumerate(range(0, self.seqlen_k, block_cols))]
 
+    def query_blocks(self, block_rows):
+        """``(b, h, h_kv, i, r0, r1)``: each block of query rows of each batch element and query head, in that order
+        (h_kv: the key/value head query head h reads)."""
+        return [(b, h, h // self.group, i, r0, r1) for b in range(self.batch) for h in range(self.nheads)
+                for i, r0, r1 in self.row_blocks(block_rows)]
+
+    def key_blocks(self, block_cols):
+        """``(b, h_kv, j, c0, c1)``: each block of keys of each batch element and key/value head, in that order."""
+        return [(b, h_kv, j, c0, c1) for b in range(self.batch) for h_kv in range(self.nheads_kv)
+                for j, c0, c1 in self.col_blocks(block_cols)]
+
     def key_range(self, r0, r1):
         return block_key_range(r0, r1, self.seqlen_q, self.seqlen_k, self.left, self.right)
 

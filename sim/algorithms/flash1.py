@@ -68,22 +68,20 @@ def backward(h, p, blocks, ctx):
             for hk in range(p.nheads_kv):
                 h.fill("dK", rows(b, hk, 0, p.seqlen_k), 0.0)
                 h.fill("dV", rows(b, hk, 0, p.seqlen_k), 0.0)
-    for b in range(p.batch):
-        for hk in range(p.nheads_kv):
-            for j, c0, c1 in p.col_blocks(blocks.cols):
-                query_blocks = p.visible_rows(c0, c1, blocks.rows, blocks.cols)
-                if not query_blocks:
-                    continue  # dK_j = dV_j = 0 from the initialization
-                with h.step("backward", b=b, h_kv=hk, j=j):
-                    kj, vj = h.load("K", rows(b, hk, c0, c1)), h.load("V", rows(b, hk, c0, c1))
-                    dkj = h.alloc("dK_j", (c1 - c0, p.headdim))
-                    dvj = h.alloc("dV_j", (c1 - c0, p.headdim))
-                    for hq in range(hk * p.group, (hk + 1) * p.group):
-                        for i, r0, r1 in query_blocks:
-                            with h.step("backward", b=b, h=hq, i=i, j=j):
-                                _backward_step(h, b, hq, r0, r1, c0, c1, kj, vj, dkj, dvj, ctx)
-                    h.store(dkj, "dK", rows(b, hk, c0, c1))
-                    h.store(dvj, "dV", rows(b, hk, c0, c1))
+    for b, hk, j, c0, c1 in p.key_blocks(blocks.cols):
+        query_blocks = p.visible_rows(c0, c1, blocks.rows, blocks.cols)
+        if not query_blocks:
+            continue  # dK_j = dV_j = 0 from the initialization
+        with h.step("backward", b=b, h_kv=hk, j=j):
+            kj, vj = h.load("K", rows(b, hk, c0, c1)), h.load("V", rows(b, hk, c0, c1))
+            dkj = h.alloc("dK_j", (c1 - c0, p.headdim))
+            dvj = h.alloc("dV_j", (c1 - c0, p.headdim))
+            for hq in range(hk * p.group, (hk + 1) * p.group):
+                for i, r0, r1 in query_blocks:
+                    with h.step("backward", b=b, h=hq, i=i, j=j):
+                        _backward_step(h, b, hq, r0, r1, c0, c1, kj, vj, dkj, dvj, ctx)
+            h.store(dkj, "dK", rows(b, hk, c0, c1))
+            h.store(dvj, "dV", rows(b, hk, c0, c1))
 
 
 def _backward_step(h, b, hq, r0, r1, c0, c1, kj, vj, dkj, dvj, ctx):

@@ -26,31 +26,28 @@ from .common import rows, vec
 
 
 def forward(h, p, blocks, ctx):
-    for b in range(p.batch):
-        for hq in range(p.nheads):
-            hk = hq // p.group
-            for i, r0, r1 in p.row_blocks(blocks.rows):
-                with h.step("forward", b=b, h=hq, i=i):
-                    key_blocks = p.visible_cols(r0, r1, blocks.rows, blocks.cols, b, hq)
-                    if not key_blocks:
-                        h.fill("O", rows(b, hq, r0, r1), 0.0)
-                        h.fill("LSE", vec(b, hq, r0, r1), -np.inf)
-                        continue
-                    n = r1 - r0
-                    qi = h.load("Q", rows(b, hq, r0, r1))
-                    acc = h.alloc("O_i", (n, p.headdim))
-                    m, l = h.alloc("m_i", (n,), -np.inf), h.alloc("l_i", (n,))
-                    for j, c0, c1 in key_blocks:
-                        with h.step("forward", b=b, h=hq, i=i, j=j):
-                            kj, vj = h.load("K", rows(b, hk, c0, c1)), h.load("V", rows(b, hk, c0, c1))
-                            s = h.alloc("S_ij", (n, c1 - c0))
-                            if h.compute:
-                                s.a[:] = common.scores(ctx, qi.a, kj.a, r0, r1, c0, c1)
-                                m.a[:], l.a[:], acc.a[:] = online_softmax.update(m.a, l.a, acc.a, s.a, vj.a)
+    for b, hq, hk, i, r0, r1 in p.query_blocks(blocks.rows):
+        with h.step("forward", b=b, h=hq, i=i):
+            key_blocks = p.visible_cols(r0, r1, blocks.rows, blocks.cols, b, hq)
+            if not key_blocks:
+                h.fill("O", rows(b, hq, r0, r1), 0.0)
+                h.fill("LSE", vec(b, hq, r0, r1), -np.inf)
+                continue
+            n = r1 - r0
+            qi = h.load("Q", rows(b, hq, r0, r1))
+            acc = h.alloc("O_i", (n, p.headdim))
+            m, l = h.alloc("m_i", (n,), -np.inf), h.alloc("l_i", (n,))
+            for j, c0, c1 in key_blocks:
+                with h.step("forward", b=b, h=hq, i=i, j=j):
+                    kj, vj = h.load("K", rows(b, hk, c0, c1)), h.load("V", rows(b, hk, c0, c1))
+                    s = h.alloc("S_ij", (n, c1 - c0))
                     if h.compute:
-                        acc.a[:], m.a[:] = online_softmax.finalize(m.a, l.a, acc.a)  # m now holds LSE
-                    h.store(acc, "O", rows(b, hq, r0, r1))
-                    h.store(m, "LSE", vec(b, hq, r0, r1))
+                        s.a[:] = common.scores(ctx, qi.a, kj.a, r0, r1, c0, c1)
+                        m.a[:], l.a[:], acc.a[:] = online_softmax.update(m.a, l.a, acc.a, s.a, vj.a)
+            if h.compute:
+                acc.a[:], m.a[:] = online_softmax.finalize(m.a, l.a, acc.a)  # m now holds LSE
+            h.store(acc, "O", rows(b, hq, r0, r1))
+            h.store(m, "LSE", vec(b, hq, r0, r1))
 
 
 def _probabilities(ctx, qi, kj, lse, r0, r1, c0, c1):
@@ -61,88 +58,79 @@ def _probabilities(ctx, qi, kj, lse, r0, r1, c0, c1):
 
 def _preprocess(h, p, blocks, staged):
     """D = rowsum(dO * O), one pass over O and dO; ``staged``: the LSE copied beside it."""
-    for b in range(p.batch):
-        for hq in range(p.nheads):
-            for i, r0, r1 in p.row_blocks(blocks.rows):
-                with h.step("D = rowsum(dO*O)", b=b, h=hq, i=i):
-                    oi, doi = h.load("O", rows(b, hq, r0, r1)), h.load("dO", rows(b, hq, r0, r1))
-                    di = h.alloc("D_i", (r1 - r0,))
-                    if h.compute:
-                        di.a[:] = (oi.a * doi.a).sum(axis=1)
-                    h.store(di, "D", vec(b, hq, r0, r1))
-                    if staged:
-                        h.store(h.load("LSE", vec(b, hq, r0, r1)), "LSE2", vec(b, hq, r0, r1))
+    for b, hq, _, i, r0, r1 in p.query_blocks(blocks.rows):
+        with h.step("D = rowsum(dO*O)", b=b, h=hq, i=i):
+            oi, doi = h.load("O", rows(b, hq, r0, r1)), h.load("dO", rows(b, hq, r0, r1))
+            di = h.alloc("D_i", (r1 - r0,))
+            if h.compute:
+                di.a[:] = (oi.a * doi.a).sum(axis=1)
+            h.store(di, "D", vec(b, hq, r0, r1))
+            if staged:
+                h.store(h.load("LSE", vec(b, hq, r0, r1)), "LSE2", vec(b, hq, r0, r1))
 
 
 def _key_block_pass(h, p, blocks, ctx, accumulate_dq, dq_name="dQ", lse_name="LSE"):
     """For each key block: dK_j, dV_j on chip over every visible query block of the head group."""
     d = p.headdim
-    for b in range(p.batch):
-        for hk in range(p.nheads_kv):
-            for j, c0, c1 in p.col_blocks(blocks.cols):
-                with h.step("dK, dV", b=b, h_kv=hk, j=j):
-                    heads = range(hk * p.group, (hk + 1) * p.group)
-                    query_blocks = {hq: p.visible_rows(c0, c1, blocks.rows, blocks.cols, b, hq) for hq in heads}
-                    if not any(query_blocks.values()):
-                        h.fill("dK", rows(b, hk, c0, c1), 0.0)
-                        h.fill("dV", rows(b, hk, c0, c1), 0.0)
-                        continue
-                    kj, vj = h.load("K", rows(b, hk, c0, c1)), h.load("V", rows(b, hk, c0, c1))
-                    dkj, dvj = h.alloc("dK_j", (c1 - c0, d)), h.alloc("dV_j", (c1 - c0, d))
-                    for hq in heads:
-                        for i, r0, r1 in query_blocks[hq]:
-                            with h.step("dK, dV", b=b, h=hq, i=i, j=j):
-                                n = r1 - r0
-                                qi, doi = h.load("Q", rows(b, hq, r0, r1)), h.load("dO", rows(b, hq, r0, r1))
-                                lse, di = h.load(lse_name, vec(b, hq, r0, r1)), h.load("D", vec(b, hq, r0, r1))
-                                dqi = h.load(dq_name, rows(b, hq, r0, r1)) if accumulate_dq else None
-                                pt, ds = h.alloc("P_ij", (n, c1 - c0)), h.alloc("dS_ij", (n, c1 - c0))
-                                if h.compute:
-                                    pt.a[:] = _probabilities(ctx, qi.a, kj.a, lse.a, r0, r1, c0, c1)
-                                    dvj.a[:] += pt.a.T @ doi.a
-                                    ds.a[:] = pt.a * (doi.a @ vj.a.T - di.a[:, None])
-                                    dkj.a[:] += ctx.scale * (ds.a.T @ qi.a)
-                                    if accumulate_dq:
-                                        dqi.a[:] += ctx.scale * (ds.a @ kj.a)
-                                if accumulate_dq:
-                                    h.store(dqi, dq_name, rows(b, hq, r0, r1))
-                    h.store(dkj, "dK", rows(b, hk, c0, c1))
-                    h.store(dvj, "dV", rows(b, hk, c0, c1))
+    for b, hk, j, c0, c1 in p.key_blocks(blocks.cols):
+        with h.step("dK, dV", b=b, h_kv=hk, j=j):
+            heads = range(hk * p.group, (hk + 1) * p.group)
+            query_blocks = {hq: p.visible_rows(c0, c1, blocks.rows, blocks.cols, b, hq) for hq in heads}
+            if not any(query_blocks.values()):
+                h.fill("dK", rows(b, hk, c0, c1), 0.0)
+                h.fill("dV", rows(b, hk, c0, c1), 0.0)
+                continue
+            kj, vj = h.load("K", rows(b, hk, c0, c1)), h.load("V", rows(b, hk, c0, c1))
+            dkj, dvj = h.alloc("dK_j", (c1 - c0, d)), h.alloc("dV_j", (c1 - c0, d))
+            for hq in heads:
+                for i, r0, r1 in query_blocks[hq]:
+                    with h.step("dK, dV", b=b, h=hq, i=i, j=j):
+                        n = r1 - r0
+                        qi, doi = h.load("Q", rows(b, hq, r0, r1)), h.load("dO", rows(b, hq, r0, r1))
+                        lse, di = h.load(lse_name, vec(b, hq, r0, r1)), h.load("D", vec(b, hq, r0, r1))
+                        dqi = h.load(dq_name, rows(b, hq, r0, r1)) if accumulate_dq else None
+                        pt, ds = h.alloc("P_ij", (n, c1 - c0)), h.alloc("dS_ij", (n, c1 - c0))
+                        if h.compute:
+                            pt.a[:] = _probabilities(ctx, qi.a, kj.a, lse.a, r0, r1, c0, c1)
+                            dvj.a[:] += pt.a.T @ doi.a
+                            ds.a[:] = pt.a * (doi.a @ vj.a.T - di.a[:, None])
+                            dkj.a[:] += ctx.scale * (ds.a.T @ qi.a)
+                            if accumulate_dq:
+                                dqi.a[:] += ctx.scale * (ds.a @ kj.a)
+                        if accumulate_dq:
+                            h.store(dqi, dq_name, rows(b, hq, r0, r1))
+            h.store(dkj, "dK", rows(b, hk, c0, c1))
+            h.store(dvj, "dV", rows(b, hk, c0, c1))
 
 
 def _round_dq(h, p, blocks):
     """dQ = dQ_acc, read once and written once in the inputs' dtype."""
-    for b in range(p.batch):
-        for hq in range(p.nheads):
-            for i, r0, r1 in p.row_blocks(blocks.rows):
-                with h.step("dQ = dQ_acc", b=b, h=hq, i=i):
-                    h.store(h.load("dQ_acc", rows(b, hq, r0, r1)), "dQ", rows(b, hq, r0, r1))
+    for b, hq, _, i, r0, r1 in p.query_blocks(blocks.rows):
+        with h.step("dQ = dQ_acc", b=b, h=hq, i=i):
+            h.store(h.load("dQ_acc", rows(b, hq, r0, r1)), "dQ", rows(b, hq, r0, r1))
 
 
 def _query_block_pass(h, p, blocks, ctx, lse_name="LSE"):
     """For each query block: dQ_i on chip over its visible key blocks, recomputing P and dS."""
-    for b in range(p.batch):
-        for hq in range(p.nheads):
-            hk = hq // p.group
-            for i, r0, r1 in p.row_blocks(blocks.rows):
-                with h.step("dQ", b=b, h=hq, i=i):
-                    key_blocks = p.visible_cols(r0, r1, blocks.rows, blocks.cols, b, hq)
-                    if not key_blocks:
-                        h.fill("dQ", rows(b, hq, r0, r1), 0.0)
-                        continue
-                    n = r1 - r0
-                    qi, doi = h.load("Q", rows(b, hq, r0, r1)), h.load("dO", rows(b, hq, r0, r1))
-                    lse, di = h.load(lse_name, vec(b, hq, r0, r1)), h.load("D", vec(b, hq, r0, r1))
-                    dqi = h.alloc("dQ_i", (n, p.headdim))
-                    for j, c0, c1 in key_blocks:
-                        with h.step("dQ", b=b, h=hq, i=i, j=j):
-                            kj, vj = h.load("K", rows(b, hk, c0, c1)), h.load("V", rows(b, hk, c0, c1))
-                            pt, ds = h.alloc("P_ij", (n, c1 - c0)), h.alloc("dS_ij", (n, c1 - c0))
-                            if h.compute:
-                                pt.a[:] = _probabilities(ctx, qi.a, kj.a, lse.a, r0, r1, c0, c1)
-                                ds.a[:] = pt.a * (doi.a @ vj.a.T - di.a[:, None])
-                                dqi.a[:] += ctx.scale * (ds.a @ kj.a)
-                    h.store(dqi, "dQ", rows(b, hq, r0, r1))
+    for b, hq, hk, i, r0, r1 in p.query_blocks(blocks.rows):
+        with h.step("dQ", b=b, h=hq, i=i):
+            key_blocks = p.visible_cols(r0, r1, blocks.rows, blocks.cols, b, hq)
+            if not key_blocks:
+                h.fill("dQ", rows(b, hq, r0, r1), 0.0)
+                continue
+            n = r1 - r0
+            qi, doi = h.load("Q", rows(b, hq, r0, r1)), h.load("dO", rows(b, hq, r0, r1))
+            lse, di = h.load(lse_name, vec(b, hq, r0, r1)), h.load("D", vec(b, hq, r0, r1))
+            dqi = h.alloc("dQ_i", (n, p.headdim))
+            for j, c0, c1 in key_blocks:
+                with h.step("dQ", b=b, h=hq, i=i, j=j):
+                    kj, vj = h.load("K", rows(b, hk, c0, c1)), h.load("V", rows(b, hk, c0, c1))
+                    pt, ds = h.alloc("P_ij", (n, c1 - c0)), h.alloc("dS_ij", (n, c1 - c0))
+                    if h.compute:
+                        pt.a[:] = _probabilities(ctx, qi.a, kj.a, lse.a, r0, r1, c0, c1)
+                        ds.a[:] = pt.a * (doi.a @ vj.a.T - di.a[:, None])
+                        dqi.a[:] += ctx.scale * (ds.a @ kj.a)
+            h.store(dqi, "dQ", rows(b, hq, r0, r1))
 
 
 def backward(h, p, blocks, ctx, dq="accumulate", staged=False):

@@ -22,18 +22,16 @@ def _gemm_tiles(h, p, blocks, phase, a_name, b_name, out_name, compute_tile):
     A is indexed by the query head and B by its key/value head.
     """
     with h.phase(phase):
-        for b in range(p.batch):
-            for hq in range(p.nheads):
-                for i, r0, r1 in p.row_blocks(blocks.rows):
-                    with h.step(phase, b=b, h=hq, i=i):
-                        a_tile = h.load(a_name, rows(b, hq, r0, r1), reuse=True)
-                        for j, c0, c1 in p.col_blocks(blocks.cols):
-                            with h.step(phase, b=b, h=hq, i=i, j=j):
-                                b_tile = h.load(b_name, rows(b, hq // p.group, c0, c1), reuse=True)
-                                out = h.alloc(f"{out_name}_ij", (r1 - r0, c1 - c0))
-                                if h.compute:
-                                    out.a[:] = compute_tile(a_tile.a, b_tile.a, r0, r1, c0, c1)
-                                h.store(out, out_name, block(b, hq, r0, r1, c0, c1))
+        for b, hq, hk, i, r0, r1 in p.query_blocks(blocks.rows):
+            with h.step(phase, b=b, h=hq, i=i):
+                a_tile = h.load(a_name, rows(b, hq, r0, r1), reuse=True)
+                for j, c0, c1 in p.col_blocks(blocks.cols):
+                    with h.step(phase, b=b, h=hq, i=i, j=j):
+                        b_tile = h.load(b_name, rows(b, hk, c0, c1), reuse=True)
+                        out = h.alloc(f"{out_name}_ij", (r1 - r0, c1 - c0))
+                        if h.compute:
+                            out.a[:] = compute_tile(a_tile.a, b_tile.a, r0, r1, c0, c1)
+                        h.store(out, out_name, block(b, hq, r0, r1, c0, c1))
 
 
 def _rowwise(h, p, rows_per_step, phase, inputs, output, compute_rows):
