@@ -270,7 +270,7 @@ def _check_plan(plan, call, direction, lse=False):
                         f"got {type(plan).__name__}")
     if lse and getattr(plan.tiles, "row_sums", False):
         raise ValueError("plan sums P's rows on the tensor cores (tiles.row_sums), which gives no exact LSE: call "
-                         "without return_lse, or with numbaflash.plan(..., return_lse=True)'s plan (tiling.make_plan's lse=True)")
+                         "without return_lse, or with numbaflash.plan(..., return_lse=True)'s plan")
     if getattr(plan.tiles, "bounded_max", False) and call.mods.softcap_alone and not tiling.fixed_maximum(
             call.dtype, call.softcap):
         raise ValueError(f"plan takes softcap's bound for each row's maximum (tiles.bounded_max), which holds for "

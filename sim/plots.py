@@ -87,7 +87,8 @@ def traffic_vs_sram(sweep, path):
                 ax.annotate(f"{r.blocks.rows}", (x, r.total), textcoords="offset points", xytext=(0, 6),
                             ha="center", fontsize=7, color=color)
     _save_log_log(plt, fig, ax, path, kib, f"SRAM M (KiB at {first[0].dtype_bytes} B/element); labels: "
-                  "FlashAttention-2's B_r", f"Forward traffic vs SRAM size, N = {p.seqlen_q}, d = {p.headdim}\n{_setting(p)}")
+                  "FlashAttention-2's B_r",
+                  f"Forward traffic vs SRAM size, N = {p.seqlen_q}, d = {p.headdim}\n{_setting(p)}")
 
 
 def _tile_grid(report):

@@ -38,9 +38,9 @@ storage the ``exp2_fma`` chunks take their exponentials as float16 pairs when P 
 With ``tiles.scores_ahead`` each consumer issues a key tile's S one tile early, into a second register set, beside
 the P V before it (`step_ahead`): a tile's softmax starts without waiting for a product, while the tensor cores work
 through the last tile's P V and the next tile's S, and both are waited for after it, so no product is in flight
-across a branch or the loop's edge. K's copies then run two tiles ahead of V's. softcap alone at headdim 128 ran 4% faster with it
-than on two consumers' ping-pong, and 2% slower than on three consumers (`tiling.WGMMA_SOFTCAP_TILES`, which keeps
-the runs): no plan takes it now; ``tiles=`` does.
+across a branch or the loop's edge. K's copies then run two tiles ahead of V's. softcap alone at headdim 128 ran 4%
+faster with it than on two consumers' ping-pong, and 2% slower than on three consumers
+(`tiling.WGMMA_SOFTCAP_TILES`, which keeps the runs): no plan takes it now; ``tiles=`` does.
 
 Packed (varlen) sequences run v5 (not v4): the tensor maps span the packed operands, a block's copies start at
 its sequence's rows (`sequences.sequence_starts`), and the last V tile of a sequence that ends inside it has
