@@ -323,19 +323,26 @@ def plan(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), bac
     the ladder of kernel versions and their tilings, one call at a time (`tiling` says which each plan takes and
     why).
     """
-    arguments.flag(backward, "backward")
-    arguments.flag(deterministic, "deterministic")
-    arguments.flag(return_lse, "return_lse")
     if device is not None and not isinstance(device, tiling.Device):
         raise TypeError(f"device must be None (the current GPU) or a numbaflash.tiling.Device; got {type(device).__name__}")
     if tiles is not None and not isinstance(tiles, (tiling.Tiles, tiling.MmaTiles, tiling.WgmmaTiles)):
         raise TypeError(f"tiles must be None (the planned blocks) or a numbaflash.tiling.Tiles, MmaTiles or WgmmaTiles; "
                         f"got {type(tiles).__name__}")
-    call = inspect(q, k, v, causal, softmax_scale, window_size, modifications=dict(
+    return _planned_call(q, k, v, causal, softmax_scale, window_size, backward, deterministic, return_lse, dict(
         softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod, score_mod_grad=score_mod_grad,
-        mask_mod=mask_mod, mod_args=mod_args, block_mask=block_mask), backward=backward)
+        mask_mod=mask_mod, mod_args=mod_args, block_mask=block_mask), device, tiles)[1]
+
+
+def _planned_call(q, k, v, causal, softmax_scale, window_size, backward, deterministic, return_lse, modifications,
+                  device=None, tiles=None):
+    """``(call, plan)`` of `plan` and `explain`: their flags and the call checked, and the plan it runs."""
+    arguments.flag(backward, "backward")
+    arguments.flag(deterministic, "deterministic")
+    arguments.flag(return_lse, "return_lse")
+    call = inspect(q, k, v, causal, softmax_scale, window_size, modifications=modifications, backward=backward)
     with _device_context(call):
-        return _plan_for(call, backward, device, deterministic=deterministic, lse=return_lse or backward, tiles=tiles)
+        return call, _plan_for(call, backward, device, deterministic=deterministic, lse=return_lse or backward,
+                               tiles=tiles)
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False, plan=None,
@@ -612,14 +619,10 @@ def explain(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     (``deterministic``: as given to `attention_backward`; ``return_lse``: as given to `attention`)."""
     import sim
 
-    arguments.flag(backward, "backward")
-    arguments.flag(deterministic, "deterministic")
-    arguments.flag(return_lse, "return_lse")
-    call = inspect(q, k, v, causal, softmax_scale, window_size, modifications=dict(
-        softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod, score_mod_grad=score_mod_grad,
-        mask_mod=mask_mod, mod_args=mod_args, block_mask=block_mask), backward=backward)
-    with _device_context(call):
-        the_plan = _plan_for(call, backward, deterministic=deterministic, lse=return_lse)
+    call, the_plan = _planned_call(q, k, v, causal, softmax_scale, window_size, backward, deterministic, return_lse,
+                                   dict(softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod,
+                                        score_mod_grad=score_mod_grad, mask_mod=mask_mod, mod_args=mod_args,
+                                        block_mask=block_mask))
     sizes = dict(seqlen_k=call.seqlen_k, batch=call.batch, nheads=call.nheads, nheads_kv=call.nheads_kv,
                  causal=causal, window_size=tuple(window_size), backward=backward, dtype_bytes=the_plan.dtype_bytes)
     flash = sim.predict_io(call.seqlen_q, call.headdim, plan=the_plan, block_mask=call.block_mask, **sizes)

@@ -332,8 +332,9 @@ WGMMA_USER_FUNCTION_TILES = {64: WgmmaTiles(128, 128, 2, producer=True, tma=True
 # 128 x 96 1.035-1.092x, 192 x 64 1.044x; the plain kernels ran slower (1.05x at 128, 1.10-1.21x at 64).
 WGMMA_SOFTCAP_TILES = {64: dataclasses.replace(WGMMA_TILES[64], exp2_fma=2),
                        128: WgmmaTiles(192, 80, 3, producer=True, tma=True)}
-SOFTCAP_CONSUMERS_REASON = ("softcap's tanh and ex2 per score: three consumer warpgroups on 80-key tiles, so two "
-                            "others' products run under each one's softmax")
+SOFTCAP_CONSUMERS_REASON = (f"softcap's tanh and ex2 per score: {WGMMA_SOFTCAP_TILES[128].warpgroups} consumer "
+                            f"warpgroups on {WGMMA_SOFTCAP_TILES[128].block_n}-key tiles, so the others' products run "
+                            "under each one's softmax")
 # With the tensor cores' row sums (`ROW_SUMS_HEADDIMS`) a float16 P is needed only as the 16-bit words P V takes, so
 # the FMA pipe's chunks take their exponentials two at a time as float16 pairs (`ex2_fma_f16x2`: 11 instructions a
 # pair, 4 of them HFMA2, against `ex2_fma`'s 9 a score and the pair's conversion), and more chunks pay. H100,

@@ -57,8 +57,8 @@ def grid():
                     # four 96-key tiles, the last's second S from a stage no copy writes any more
                     q2, k2, v2, _ = operands(rng, dtype, (b, nq, h, 128), (b, 300, hk, 128))
                     numbaflash.attention(q2, k2, v2, softcap=5.0, **mask)
-                    ahead = tiling.make_plan(b, h, hk, nq, 300, 128, dtype, tiles=tiling.WgmmaTiles(
-                        128, 96, 2, producer=True, tma=True, scores_ahead=True))
+                    ahead = numbaflash.plan(q2, k2, v2, softcap=5.0, tiles=tiling.WgmmaTiles(
+                        128, 96, 2, producer=True, tma=True, scores_ahead=True), **mask)
                     numbaflash.attention(q2, k2, v2, softcap=5.0, plan=ahead, **mask)
         # Every modification at once, the mask through a block mask (the kernels' tile tables) on one shape:
         # the user's functions read mod_args only at visible, in-bounds indices.
