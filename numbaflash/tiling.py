@@ -431,7 +431,9 @@ SIMULATOR_WGMMA_TILES = WgmmaTiles(64, 16, 1)
 # 0.996-0.999 and 0.968-0.972, ALiBi 0.995 and 0.972. With two stages the producer waited for each release: 1.13x
 # and 1.17x the plain backward's time. Not kept: ping-pong turns of the two dQ consumers on top (0.960-0.998, within
 # the runs' spread), four stages (0.964-0.980), P formed while dP runs without the deferral (0.993-1.021), and a
-# quarter or half of the dQ pass's exponentials on the FMA pipe with softcap (1.000-1.015 at 64).
+# quarter or half of the dQ pass's exponentials on the FMA pipe with softcap (1.000-1.015 at 64). softcap's backward at
+# 128 over the plain one's on other spill-free tiles (H200, 2026-11-29, scripts/bench_tiles.py --backward, five rounds):
+# these 1.129x, in four stages 1.129x, 128 x 48 in three 1.212x.
 WGMMA_BACKWARD_TILES = {64: WgmmaTiles(128, 64, 2, 3, producer=True, tma=True, dq_deferred=True),
                         128: WgmmaTiles(128, 64, 2, 3, producer=True, tma=True, dq_deferred=True)}
 WGMMA_CP_ASYNC_BACKWARD_TILES = {64: WgmmaTiles(64, 64, 1), 128: WgmmaTiles(64, 64, 1)}
