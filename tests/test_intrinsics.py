@@ -11,7 +11,8 @@ from numbaflash.kernels.intrinsics import (SIMULATOR, bulk_load, cp_async_16, cp
                                            ldmatrix_x4_trans, load4, mbarrier_arrive, mbarrier_arrive_expect_tx,
                                            mbarrier_init, mbarrier_try_wait,
                                            mma_bf16, mma_f16, named_barrier_arrive, named_barrier_sync,
-                                           pack_bf16, pack_f16, rcp, store2, tanh_approx, warp_any)
+                                           pack_bf16, pack_f16, rcp, store2, store2_row, tanh_approx,
+                                           warp_any)
 
 HALVES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
@@ -253,6 +254,31 @@ def test_paired_stores_write_both_elements_and_refuse_misaligned_ones(arrays, mo
     if mode == "simulator":
         with pytest.raises(ValueError, match="not aligned to 4 bytes"):
             paired_store_kernel[1, 32](out, 1)
+
+
+@cuda.jit
+def row_store_kernel(out, shift):
+    lane = cuda.threadIdx.x
+    store2_row(out, (lane // 8, (lane // 4) % 2), 2 * (lane % 4) + shift, np.uint16(lane), np.uint16(100 + lane))
+
+
+def test_row_stores_write_both_elements_at_the_row_offset(arrays, mode):
+    """store2_row: store2 at a row's address plus a column offset (the wgmma kernels' outputs); on the simulator a
+    misaligned pair and a row whose elements are not adjacent are refused, as the hardware would fault or write
+    elsewhere."""
+    to_device, to_host = arrays
+    out = to_device(np.zeros((4, 2, 10), np.uint16))
+    row_store_kernel[1, 32](out, 0)
+    lane = np.arange(32)
+    want = np.zeros((4, 2, 10), np.uint16)
+    rows = (lane // 8, (lane // 4) % 2)
+    want[rows + (2 * (lane % 4),)], want[rows + (2 * (lane % 4) + 1,)] = lane, 100 + lane
+    np.testing.assert_array_equal(to_host(out), want)
+    if mode == "simulator":
+        with pytest.raises(ValueError, match="not aligned to 4 bytes"):
+            row_store_kernel[1, 32](out, 1)
+        with pytest.raises(ValueError, match="stride is 4 bytes, not 2"):
+            store2_row(np.zeros((2, 8), np.uint16)[:, ::2], (0,), 0, np.uint16(1), np.uint16(2))
 
 
 @device_function

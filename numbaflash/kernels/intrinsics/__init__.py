@@ -17,7 +17,9 @@ every kernel that uses them runs in CI on the CPU. `target` says which mode this
   memory this is one ``ld.shared.v4`` instead of n scalar loads, which keeps the register-tiled loops
   fed; on global memory it is one 16-byte load per thread. ``store2(arr, i, lo, hi)``: ``lo`` and ``hi`` into
   ``arr[i]`` and the element after it in one store, aligned to both (the emulation refuses a misaligned one, as
-  the hardware faults).
+  the hardware faults). ``store2_row(arr, i, col, lo, hi)``: the same into ``arr[i + (col,)]`` and the element after
+  it, ``i`` every index but the last, for an array whose last axis is contiguous (the emulation refuses another): the
+  row's address once, ``col`` an element offset from it.
 * ``float_bits(x)`` / ``bits_float(u)``: reinterpret float32 <-> uint32 (for bfloat16 conversion).
 
 Tensor cores (compute capability >= 8.0; register fragments as in the PTX ISA, lane = 4 g + t):

@@ -62,6 +62,13 @@ def store2(arr, i, lo, hi):
         raise ValueError(f"store2 at {i}: the two elements are not aligned to {2 * arr.itemsize} bytes")
     arr[i], arr[_along(i, 1)] = lo, hi
 
+def store2_row(arr, i, col, lo, hi):
+    # The hardware's store runs along the row from its first element's address, so it writes elsewhere unless the
+    # last axis is contiguous: this refuses such an array.
+    if arr.strides[-1] != arr.itemsize:
+        raise ValueError(f"store2_row: the last axis's stride is {arr.strides[-1]} bytes, not {arr.itemsize}")
+    store2(arr, tuple(i) + (col,), lo, hi)
+
 def float_bits(x):
     return np.array(x, dtype=np.float32).view(np.uint32)[()]
 

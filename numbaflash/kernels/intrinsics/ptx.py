@@ -74,6 +74,13 @@ def _vector_load(n):
 load2 = _vector_load(2)
 load4 = _vector_load(4)
 
+def _store_pair(context, builder, ptr, dtype, values):
+    element = context.get_data_type(dtype)
+    vec = ir.Constant(ir.VectorType(element, 2), ir.Undefined)
+    for k, value in enumerate(values):
+        vec = builder.insert_element(vec, value, ir.Constant(ir.IntType(32), k))
+    builder.store(vec, builder.bitcast(ptr, vec.type.as_pointer()), align=2 * context.get_abi_sizeof(element))
+
 @intrinsic
 def store2(typingctx, arr, i, lo, hi):
     if not isinstance(arr, types.Array) or not _indexes(arr, i):
@@ -82,11 +89,29 @@ def store2(typingctx, arr, i, lo, hi):
 
     def codegen(context, builder, sig, args):
         ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-        element = context.get_data_type(sig.args[0].dtype)
-        vec = ir.Constant(ir.VectorType(element, 2), ir.Undefined)
-        for k, value in enumerate(args[2:]):
-            vec = builder.insert_element(vec, value, ir.Constant(ir.IntType(32), k))
-        builder.store(vec, builder.bitcast(ptr, vec.type.as_pointer()), align=2 * context.get_abi_sizeof(element))
+        _store_pair(context, builder, ptr, sig.args[0].dtype, args[2:])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+@intrinsic
+def store2_row(typingctx, arr, i, col, lo, hi):
+    # The row's address from every index but the last, then ``col`` as an element offset: where ``col`` is a constant
+    # plus a lane's part, each store of a row takes an immediate offset from one address instead of a 64-bit
+    # product with the last axis's run-time stride (`fragments.fragment_writer`).
+    if not (isinstance(arr, types.Array) and isinstance(i, types.BaseTuple) and len(i) == arr.ndim - 1
+            and all(isinstance(t, types.Integer) for t in i) and isinstance(col, types.Integer)):
+        return None
+    sig = types.void(arr, i, col, arr.dtype, arr.dtype)
+
+    def codegen(context, builder, sig, args):
+        aryty, index_type = sig.args[0], sig.args[1]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        indices = [context.cast(builder, builder.extract_value(args[1], d), index_type[d], types.intp)
+                   for d in range(len(index_type))] + [context.get_constant(types.intp, 0)]
+        row = cgutils.get_item_pointer(context, builder, aryty, ary, indices, wraparound=False)
+        ptr = builder.gep(row, [context.cast(builder, args[2], sig.args[2], types.intp)])
+        _store_pair(context, builder, ptr, aryty.dtype, args[3:])
         return context.get_dummy_value()
 
     return sig, codegen
