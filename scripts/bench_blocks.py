@@ -49,8 +49,9 @@ def ladder(headdim, dtype, tiles, counts):
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, ROWS, bench.NHEADS, headdim, device="cuda", dtype=getattr(torch, dtype), generator=gen)
-    keys = torch.randn(2, 1, max(counts) * 256, bench.NHEADS, headdim, device="cuda", dtype=q.dtype, generator=gen)
-    planned = numbaflash.plan(q, keys[0, :, :256], keys[1, :, :256], tiles=tiles).tiles
+    planned = numbaflash.plan(q, q, q, tiles=tiles).tiles
+    keys = torch.randn(2, 1, max(counts) * planned.block_n, bench.NHEADS, headdim, device="cuda", dtype=q.dtype,
+                       generator=gen)
     rows = []
     for count in counts:
         k, v = (keys[i, :, :count * planned.block_n] for i in range(2))
@@ -66,10 +67,11 @@ def main(argv=None):
     parser.add_argument("--headdim", type=int, default=64)
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     parser.add_argument("--counts", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64],
-                        help="key tiles a block (at most 64 x 256 keys in all)")
+                        help="key tiles a block, 1 to 64")
     parser.add_argument("--fit-tiles", type=int, default=8, help="fit the line over the counts up to this")
     parser.add_argument("--timing", choices=["call", "stream"], default="stream", help="as bench.py's --timing")
     args = parser.parse_args(argv)
+    args.counts = sorted(set(args.counts))
     if min(args.counts) < 1 or max(args.counts) > 64:
         parser.error("--counts: key tiles a block from 1 to 64")
     if sum(c <= args.fit_tiles for c in args.counts) < 2:
@@ -85,7 +87,7 @@ def main(argv=None):
     print(f"forward, d = {args.headdim}, {args.dtype}, {ROWS} query rows, {bench.NHEADS} heads, "
           f"{torch.cuda.get_device_name()}: microseconds per block slot")
     for tiles in candidates:
-        rows, planned = ladder(args.headdim, args.dtype, tiles, sorted(set(args.counts)))
+        rows, planned = ladder(args.headdim, args.dtype, tiles, args.counts)
         name = "plan" if tiles is None else "candidate"
         print(f"  {name}: {planned}")
         points = []

@@ -37,14 +37,15 @@ def group_sum(value, width):
 def warp_uniform(value):
     return cuda.shfl_sync(0xFFFFFFFF, value, 0)
 
-def _element_pointer(context, builder, aryty, ary_value, index_value, index_type):
+def _element_pointer(context, builder, aryty, ary_value, index_value, index_type, trailing=()):
+    # ``trailing``: intp values appended to the indices (`store2_row`'s row start)
     ary = context.make_array(aryty)(context, builder, ary_value)
     if isinstance(index_type, types.BaseTuple):
         indices = [context.cast(builder, builder.extract_value(index_value, d), index_type[d], types.intp)
                    for d in range(len(index_type))]
     else:
         indices = [context.cast(builder, index_value, index_type, types.intp)]
-    return cgutils.get_item_pointer(context, builder, aryty, ary, indices, wraparound=False)
+    return cgutils.get_item_pointer(context, builder, aryty, ary, indices + list(trailing), wraparound=False)
 
 def _indexes(arr, i):
     if isinstance(i, types.BaseTuple):
@@ -105,13 +106,10 @@ def store2_row(typingctx, arr, i, col, lo, hi):
     sig = types.void(arr, i, col, arr.dtype, arr.dtype)
 
     def codegen(context, builder, sig, args):
-        aryty, index_type = sig.args[0], sig.args[1]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        indices = [context.cast(builder, builder.extract_value(args[1], d), index_type[d], types.intp)
-                   for d in range(len(index_type))] + [context.get_constant(types.intp, 0)]
-        row = cgutils.get_item_pointer(context, builder, aryty, ary, indices, wraparound=False)
+        row = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1],
+                               trailing=(context.get_constant(types.intp, 0),))
         ptr = builder.gep(row, [context.cast(builder, args[2], sig.args[2], types.intp)])
-        _store_pair(context, builder, ptr, aryty.dtype, args[3:])
+        _store_pair(context, builder, ptr, sig.args[0].dtype, args[3:])
         return context.get_dummy_value()
 
     return sig, codegen
