@@ -12,7 +12,7 @@ from numbaflash.kernels.intrinsics import (SIMULATOR, bulk_load, cp_async_16, cp
                                            mbarrier_init, mbarrier_try_wait,
                                            mma_bf16, mma_f16, named_barrier_arrive, named_barrier_sync,
                                            pack_bf16, pack_f16, rcp, store2, store2_row, tanh_approx,
-                                           warp_any)
+                                           warp_any, warp_uniform)
 
 HALVES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
@@ -233,6 +233,36 @@ def test_group_reductions_and_vector_loads(arrays):
     np.testing.assert_allclose(sum16, np.repeat(x.reshape(2, 16).sum(axis=1), 16), atol=rounding)
     np.testing.assert_allclose(sum32, np.full(32, x.sum()), atol=rounding)
     np.testing.assert_array_equal(vec, x)
+
+
+@cuda.jit
+def uniform_kernel(x, out):
+    lane = cuda.threadIdx.x
+    out[lane] = warp_uniform(x[lane])
+
+
+def test_warp_uniform_gives_every_lane_lane_0s_value(arrays):
+    to_device, to_host = arrays
+    x = np.arange(10, 74, dtype=np.int32)  # two warps, each lane its own value
+    out = to_device(np.zeros(64, np.int32))
+    uniform_kernel[1, 64](to_device(x), out)
+    np.testing.assert_array_equal(to_host(out), np.repeat([10, 42], 32))
+
+
+@cuda.jit
+def diverged_uniform_kernel(x, out):
+    # lane 0 alone takes the shuffle, which waits for the warp's other lanes; they wait at the block's barrier
+    lane = cuda.threadIdx.x
+    if lane == 0:
+        out[0] = warp_uniform(x[0])
+    cuda.syncthreads()
+    out[lane] += 1
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="a hang on the GPU; the simulator reports it")
+def test_a_shuffle_by_part_of_a_warp_fails_the_simulated_block_instead_of_hanging():
+    with pytest.raises(RuntimeError, match="can never go on: 31 of its 32 running threads wait at syncthreads"):
+        diverged_uniform_kernel[1, 32](np.arange(32, dtype=np.int32), np.zeros(32, np.int32))
 
 
 @cuda.jit

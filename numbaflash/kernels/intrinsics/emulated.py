@@ -29,7 +29,11 @@ def warp_any(predicate):
     return any(lanes)
 
 def warp_uniform(value):
-    return value  # every lane passes the same value, and the simulator has no uniform registers
+    # Lane 0's value, through an exchange as the shuffle takes it: a call by part of a warp then waits for the
+    # missing lanes (`simulated_blocks` reports the block's deadlock), where the hardware's shfl.sync hangs. Returning
+    # ``value`` let a packed forward's copies, issued by one thread, pass the simulator and hang the H200.
+    lanes, _ = exchange(value)
+    return lanes[0]
 
 def group_sum(value, width):
     # The butterfly's order of additions, so the simulator rounds exactly as the GPU does.

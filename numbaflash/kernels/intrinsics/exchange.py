@@ -27,19 +27,26 @@ class Meeting:
     def __init__(self):
         self.arrived = 0
         self.generation = 0
+        self.sleepers = 0  # arrivals waiting for this generation
         self.cond = threading.Condition()
 
     def arrive(self, threads, wait, waiting):
-        """``waiting(still)`` (`simulated_blocks.waiting`'s signature) is told before the arrival sleeps."""
+        """``waiting(still)`` (`simulated_blocks.waiting`'s signature) is told before the arrival sleeps. The block
+        counts the arrivals asleep here (`simulated_blocks.asleep`), so that a block whose every thread sleeps fails
+        instead of hanging."""
         with self.cond:
             generation = self.generation
             self.arrived += 1
             if self.arrived == threads:
                 self.arrived = 0
                 self.generation += 1
+                simulated_blocks.asleep(-self.sleepers)  # woken by this arrival, before it goes on
+                self.sleepers = 0
                 self.cond.notify_all()
             elif wait:
                 waiting(lambda: self.generation == generation)
+                self.sleepers += 1
+                simulated_blocks.asleep(1)
                 while self.generation == generation:
                     self.cond.wait()
 

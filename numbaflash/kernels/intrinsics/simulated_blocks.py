@@ -36,6 +36,7 @@ class _BlockState:
         self.live = threads
         self.live_first = min(threads, 128)  # of the first warpgroup (`consumers_last`)
         self.waiting = 0
+        self.sleeping = 0  # threads asleep in a collective or a named barrier (`asleep`)
         self.generation = 0
         self.failed = None
         self.waits = {}  # thread -> True while the emulated wait it sits in cannot pass (`waiting`)
@@ -48,6 +49,17 @@ class _BlockState:
             self.generation += 1
             self.cond.notify_all()
 
+    def deadlock(self):
+        """With ``cond`` held: why the block can never go on, or None. Every running thread sleeps, some at
+        ``syncthreads`` and the rest in collectives or named barriers, which only other threads' arrivals complete:
+        on the GPU the block hangs (a shuffle called by part of a warp, a barrier some threads skip). Threads that
+        spin on an mbarrier count as running, so a hang there is not seen."""
+        if 0 < self.waiting < self.live and self.waiting + self.sleeping == self.live:
+            return (f"the simulated block can never go on: {self.waiting} of its {self.live} running threads wait at "
+                    f"syncthreads and {self.sleeping} in warp collectives or named barriers that wait for them (a "
+                    "collective called by part of a warp, or a barrier some threads skip?)")
+        return None
+
 
 class WaitingThread(simulator.BlockThread):
     """A simulated thread whose ``syncthreads`` waits on its block's condition variable."""
@@ -58,9 +70,12 @@ class WaitingThread(simulator.BlockThread):
         with block.cond:
             block.live -= 1
             block.live_first -= self.threadIdx.x < 128
+            block.release_if_all_wait()
+            why = block.deadlock()
+            if why is not None and self.exception is None:
+                self.exception = (RuntimeError(why), None)
             if self.exception is not None and block.failed is None:
                 block.failed = self
-            block.release_if_all_wait()
             block.cond.notify_all()  # the manager waits for the last thread or the first failure
 
     def syncthreads(self):
@@ -71,6 +86,9 @@ class WaitingThread(simulator.BlockThread):
             generation = block.generation
             block.waiting += 1
             block.release_if_all_wait()
+            why = block.deadlock()
+            if why is not None:
+                raise RuntimeError(why)
             if _held is not None:  # a thread held after its wait counts this one as waiting (`passed`)
                 block.waits[self] = lambda: block.generation == generation
             block.cond.wait_for(lambda: block.generation != generation or block.failed is not None)
@@ -155,6 +173,20 @@ def collective_waiting(still):
     before its wait then found the new slope, and the test passed)."""
     if _held == "producer" and threading.current_thread().threadIdx.x < 128:
         waiting(still)
+
+
+def asleep(delta):
+    """``delta`` more (or fewer) of the calling thread's block sleep in a collective or a named barrier
+    (`exchange.Meeting`); one that falls asleep while every other running thread sleeps fails (`_BlockState.
+    deadlock`)."""
+    _, state = _thread_state()
+    if state is None:
+        return
+    with state.cond:
+        state.sleeping += delta
+        why = state.deadlock() if delta > 0 else None
+    if why is not None:
+        raise RuntimeError(why)
 
 
 def woke():

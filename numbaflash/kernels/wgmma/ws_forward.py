@@ -196,37 +196,24 @@ def build(D, tiles, storage, mods=NONE):
         hand_over(smem, base + V_FULL + s * BARRIER_ELEMENTS, lane)
 
     @device_function
-    def first_copies(smem, base, k, maps, mod, b, h, hk, row_start, n_base, ntiles, vec, seqlen_q, seqlen_k):
-        # Q and the first K_LEAD K tiles, by thread 0 before the block's barrier (with TMA): their latency then runs
-        # under the other warps' start, where issued after the barrier it followed the slowest warp's. The first
-        # round of the ring finds every stage empty, so nothing here waits for a consumer. Against the copies after
-        # the barrier (H200, fp16, 16 heads, 16384 query rows, five interleaved rounds, .bench/ab_first.py): 128 keys
-        # a block, where a block's start and end are most of its time, 0.988x (64) and 0.987x (128); 8 documents
-        # 1.004x and 0.996x; long calls 0.97-1.05x: within the runs' spread, results bit for bit the same.
-        q_start, k_start, _, map_b = starts(mod, b)
-        for which in range(3):  # Q, K, V
-            tensormap_acquire(maps, which)
-        copy_tile(smem, base + Q_AT, base + Q_FULL, maps, 0, h, q_start + row_start, map_b, BLOCK_M)
-        for it in range(min(K_LEAD, ntiles)):
-            tile = order(it, row_start, n_base, ntiles, seqlen_q, seqlen_k)
-            load_tile(smem, base, K_AT, K_FULL, K_EMPTY, it, tile, k, maps, 1, mod, b, h, hk, row_start, n_base, 0,
-                      vec, k_start, map_b, seqlen_k)
-
-    @device_function
     def produce(smem, words, base, q, k, v, maps, mod, b, h, hk, row_start, n_base, ntiles, tid, vec, seqlen_q,
                 seqlen_k):
         # K runs K_LEAD tiles ahead of V, the order the consumers read them in (S_it with P_{it-1} V_{it-1}, or
         # S_{it+1} with it ahead): V_it waits for P_{it-2} V_{it-2} to release its stage, and K_{it+1} issued after it
         # would wait too. In the order K, V, K, V the consumers' wait for K took 26% of the warps' stall samples (ncu,
-        # d128). With TMA, Q and the first K tiles were issued before the block's barrier (`first_copies`).
+        # d128).
         if TMA and tid >= (32 if PACKED else 1):
             return  # one thread issues the bulk copies (a packed sequence's tail takes its warp)
         q_start, k_start, _, map_b = starts(mod, b)  # where the maps find the block's sequence
         if tid == 0 or not TMA:
-            if not TMA:
+            if TMA:
+                for which in range(3):  # Q, K, V
+                    tensormap_acquire(maps, which)
+                copy_tile(smem, base + Q_AT, base + Q_FULL, maps, 0, h, q_start + row_start, map_b, BLOCK_M)
+            else:
                 stage_q(smem, base + Q_AT, q, b, row_start, h, tid, vec)
                 landed(smem, base + Q_FULL, vec)
-            for it in range(0 if TMA else -K_LEAD, ntiles):
+            for it in range(-K_LEAD, ntiles):
                 if it + K_LEAD < ntiles:
                     tile = order(it + K_LEAD, row_start, n_base, ntiles, seqlen_q, seqlen_k)
                     load_tile(smem, base, K_AT, K_FULL, K_EMPTY, it + K_LEAD, tile, k, maps, 1, mod, b, h, hk,
@@ -384,8 +371,6 @@ def build(D, tiles, storage, mods=NONE):
                 mbarrier_init(smem, base + V_FULL + s * BARRIER_ELEMENTS, FULL_ARRIVALS)
                 mbarrier_init(smem, base + K_EMPTY + s * BARRIER_ELEMENTS, CONSUMERS)
                 mbarrier_init(smem, base + V_EMPTY + s * BARRIER_ELEMENTS, CONSUMERS)
-            if TMA:
-                first_copies(smem, base, k, maps, mod, b, h, hk, row_start, n_base, ntiles, vec, seqlen_q, seqlen_k)
         if COLUMNS:
             _, gamma, columns_ok = alibi_columns_units(scale_log2, slope_of(bh))
             fill_columns(words, base + COLUMNS_AT, gamma if columns_ok else types.float32(0), tid, THREADS)
