@@ -266,6 +266,30 @@ def test_a_shuffle_by_part_of_a_warp_fails_the_simulated_block_instead_of_hangin
 
 
 @cuda.jit
+def unfilled_stage_kernel(out, arrivals):
+    # the mbarrier expects 64 arrivals, ``arrivals`` come, and every thread then waits for its phase
+    smem = cuda.shared.array(0, uint16)
+    tid = cuda.threadIdx.x
+    if tid == 0:
+        mbarrier_init(smem, 0, 64)
+    cuda.syncthreads()
+    if tid < arrivals:
+        mbarrier_arrive(smem, 0)
+    while mbarrier_try_wait(smem, 0, 0) == 0:
+        pass
+    out[tid] = 1
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="a hang on the GPU; the simulator reports it")
+def test_an_mbarrier_wait_no_arrival_ends_fails_the_simulated_block_instead_of_hanging():
+    out = np.zeros(64, np.int32)
+    unfilled_stage_kernel[1, 64, 0, 8](out, 64)  # every arrival: the phase completes
+    np.testing.assert_array_equal(out, np.ones(64, np.int32))
+    with pytest.raises(RuntimeError, match="can never go on: 0 of its 64 running threads wait at syncthreads and 64"):
+        unfilled_stage_kernel[1, 64, 0, 8](np.zeros(64, np.int32), 63)
+
+
+@cuda.jit
 def paired_store_kernel(out, shift):
     lane = cuda.threadIdx.x
     store2(out, (lane // 4, 2 * (lane % 4) + shift), np.uint16(lane), np.uint16(100 + lane))

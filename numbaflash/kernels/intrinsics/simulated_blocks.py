@@ -50,14 +50,16 @@ class _BlockState:
             self.cond.notify_all()
 
     def deadlock(self):
-        """With ``cond`` held: why the block can never go on, or None. Every running thread sleeps, some at
-        ``syncthreads`` and the rest in collectives or named barriers, which only other threads' arrivals complete:
-        on the GPU the block hangs (a shuffle called by part of a warp, a barrier some threads skip). Threads that
-        spin on an mbarrier count as running, so a hang there is not seen."""
-        if 0 < self.waiting < self.live and self.waiting + self.sleeping == self.live:
+        """With ``cond`` held: why the block can never go on, or None. Every running thread sleeps, at
+        ``syncthreads`` (not all of them, or it would release) or in collectives, named barriers and mbarrier waits,
+        which only other threads' arrivals complete: on the GPU the block hangs (a shuffle called by part of a warp,
+        a barrier some threads skip, a stage no copy fills). A thread between two tries of an mbarrier wait counts
+        as running, so such a hang is seen once every waiter is inside a try at once."""
+        if 0 < self.live and self.waiting < self.live and self.waiting + self.sleeping == self.live:
             return (f"the simulated block can never go on: {self.waiting} of its {self.live} running threads wait at "
-                    f"syncthreads and {self.sleeping} in warp collectives or named barriers that wait for them (a "
-                    "collective called by part of a warp, or a barrier some threads skip?)")
+                    f"syncthreads and {self.sleeping} in warp collectives, named barriers or mbarrier waits that only "
+                    "other threads complete (a collective called by part of a warp, a barrier some threads skip, or "
+                    "a wait no arrival ends?)")
         return None
 
 
@@ -177,8 +179,9 @@ def collective_waiting(still):
 
 def asleep(delta):
     """``delta`` more (or fewer) of the calling thread's block sleep in a collective or a named barrier
-    (`exchange.Meeting`); one that falls asleep while every other running thread sleeps fails (`_BlockState.
-    deadlock`)."""
+    (`exchange.Meeting`) or an mbarrier wait (`emulated_hopper.mbarrier_try_wait`); the one that falls asleep while
+    every other running thread sleeps fails (`_BlockState.deadlock`). Whoever completes a barrier takes its sleepers
+    off, so a woken thread is never counted asleep while the others check."""
     _, state = _thread_state()
     if state is None:
         return
