@@ -11,8 +11,8 @@ from numbaflash.kernels.intrinsics import (SIMULATOR, bulk_load, cp_async_16, cp
                                            ldmatrix_x4_trans, load4, mbarrier_arrive, mbarrier_arrive_expect_tx,
                                            mbarrier_init, mbarrier_try_wait,
                                            mma_bf16, mma_f16, named_barrier_arrive, named_barrier_sync,
-                                           pack_bf16, pack_f16, rcp, store2, store2_row, tanh_approx,
-                                           warp_any, warp_uniform)
+                                           pack_bf16, pack_f16, rcp, setmaxnreg_dec, store2, store2_row,
+                                           tanh_approx, warp_any, warp_uniform)
 
 HALVES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
@@ -263,6 +263,30 @@ def diverged_uniform_kernel(x, out):
 def test_a_shuffle_by_part_of_a_warp_fails_the_simulated_block_instead_of_hanging():
     with pytest.raises(RuntimeError, match="can never go on: 31 of its 32 running threads wait at syncthreads"):
         diverged_uniform_kernel[1, 32](np.arange(32, dtype=np.int32), np.zeros(32, np.int32))
+
+
+def register_cut_kernel(threads):
+    release = setmaxnreg_dec(24)
+
+    @cuda.jit
+    def kernel(out):
+        # the first ``threads`` of a warpgroup give their registers back; the rest wait at the block's barrier
+        tid = cuda.threadIdx.x
+        if tid < threads:
+            release()
+        cuda.syncthreads()
+        out[tid] = 1
+
+    return kernel
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="undefined on the GPU; the simulator reports it")
+def test_setmaxnreg_by_part_of_a_warpgroup_fails_the_simulated_block():
+    out = np.zeros(128, np.int32)
+    register_cut_kernel(128)[1, 128](out)  # the whole warpgroup: goes on
+    np.testing.assert_array_equal(out, np.ones(128, np.int32))
+    with pytest.raises(RuntimeError, match="can never go on: 64 of its 128 running threads wait at syncthreads"):
+        register_cut_kernel(64)[1, 128](np.zeros(128, np.int32))
 
 
 @cuda.jit

@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 
 from . import simulated_blocks
-from .exchange import WARPGROUP, group_result
+from .exchange import WARPGROUP, exchange, group_result
 
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 SWIZZLE_128B = 1
@@ -215,16 +215,19 @@ def mbarrier_try_wait(smem, i, parity):
     return np.uint32(done)
 
 
-def _no_op():
-    pass
+def _whole_warpgroup():
+    # setmaxnreg is ``.sync.aligned``: its warpgroup's threads take it together, so a call by part of one meets no
+    # one (the simulator fails its block, `simulated_blocks`), where the GPU's is undefined. Registers are not
+    # emulated.
+    exchange(None, WARPGROUP)
 
 
 def setmaxnreg_inc(count):
-    return _no_op
+    return _whole_warpgroup
 
 
 def setmaxnreg_dec(count):
-    return _no_op
+    return _whole_warpgroup
 
 
 def mbarrier_arrive_expect_tx(smem, i, tx):
