@@ -148,7 +148,7 @@ class _Mbarrier:
         self.count = self.pending = int(count)
         self.tx = 0  # bytes expected and not yet delivered
         self.phase = 0
-        self.sleepers = 0  # threads in `mbarrier_try_wait`'s wait for the current phase
+        self.sleepers = simulated_blocks.Sleepers()  # threads spinning on the current phase (`mbarrier_try_wait`)
         self.cond = threading.Condition()
 
     def arrive(self, expect_tx=0):
@@ -166,8 +166,7 @@ class _Mbarrier:
         if self.pending == 0 and self.tx == 0:
             self.phase += 1
             self.pending = self.count
-            simulated_blocks.asleep(-self.sleepers)  # woken by this completion, before its thread goes on
-            self.sleepers = 0
+            self.sleepers.wake_all()
             self.cond.notify_all()
 
 
@@ -199,16 +198,14 @@ def mbarrier_try_wait(smem, i, parity):
             simulated_blocks.waiting(lambda: barrier.phase % 2 == int(parity))
             phase = barrier.phase
             # A thread that tries the same phase again spins on it (`wgmma.pipeline.wait`): asleep until the phase
-            # completes (`simulated_blocks.asleep`). A single try may be a probe that goes on, and is not counted.
+            # completes (`simulated_blocks.Sleepers`). A single try may be a probe that goes on, and is not counted.
             spinning = thread.__dict__.get("_numbaflash_tried") == (id(barrier), phase)
             thread.__dict__["_numbaflash_tried"] = (id(barrier), phase)
             if spinning:
-                barrier.sleepers += 1
-                simulated_blocks.asleep(1)
+                barrier.sleepers.add()
             barrier.cond.wait(0.01)
             if spinning and barrier.phase == phase:  # the short wait ran out: awake until the next try
-                barrier.sleepers -= 1
-                simulated_blocks.asleep(-1)
+                barrier.sleepers.remove()
         done = barrier.phase % 2 != int(parity)
     if done:
         simulated_blocks.passed()  # outside the barrier's lock (`simulated_blocks.producer_last`)

@@ -27,12 +27,12 @@ class Meeting:
     def __init__(self):
         self.arrived = 0
         self.generation = 0
-        self.sleepers = 0  # arrivals waiting for this generation
+        self.sleepers = simulated_blocks.Sleepers()  # arrivals waiting for this generation
         self.cond = threading.Condition()
 
     def arrive(self, threads, wait, waiting):
         """``waiting(still)`` (`simulated_blocks.waiting`'s signature) is told before the arrival sleeps. The block
-        counts the arrivals asleep here (`simulated_blocks.asleep`), so that a block whose every thread sleeps fails
+        counts the arrivals asleep here (`simulated_blocks.Sleepers`), so that a block whose every thread sleeps fails
         instead of hanging."""
         with self.cond:
             generation = self.generation
@@ -40,13 +40,11 @@ class Meeting:
             if self.arrived == threads:
                 self.arrived = 0
                 self.generation += 1
-                simulated_blocks.asleep(-self.sleepers)  # woken by this arrival, before it goes on
-                self.sleepers = 0
+                self.sleepers.wake_all()
                 self.cond.notify_all()
             elif wait:
                 waiting(lambda: self.generation == generation)
-                self.sleepers += 1
-                simulated_blocks.asleep(1)
+                self.sleepers.add()
                 while self.generation == generation:
                     self.cond.wait()
 

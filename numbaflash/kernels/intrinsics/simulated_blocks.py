@@ -36,7 +36,7 @@ class _BlockState:
         self.live = threads
         self.live_first = min(threads, 128)  # of the first warpgroup (`consumers_last`)
         self.waiting = 0
-        self.sleeping = 0  # threads asleep in a collective or a named barrier (`asleep`)
+        self.sleeping = 0  # threads asleep in a collective, a named barrier or an mbarrier wait (`Sleepers`)
         self.generation = 0
         self.failed = None
         self.waits = {}  # thread -> True while the emulated wait it sits in cannot pass (`waiting`)
@@ -177,11 +177,9 @@ def collective_waiting(still):
         waiting(still)
 
 
-def asleep(delta):
-    """``delta`` more (or fewer) of the calling thread's block sleep in a collective or a named barrier
-    (`exchange.Meeting`) or an mbarrier wait (`emulated_hopper.mbarrier_try_wait`); the one that falls asleep while
-    every other running thread sleeps fails (`_BlockState.deadlock`). Whoever completes a barrier takes its sleepers
-    off, so a woken thread is never counted asleep while the others check."""
+def _asleep(delta):
+    """``delta`` more (or fewer) of the calling thread's block sleep; the one that falls asleep while every other
+    running thread sleeps fails (`_BlockState.deadlock`)."""
     _, state = _thread_state()
     if state is None:
         return
@@ -190,6 +188,30 @@ def asleep(delta):
         why = state.deadlock() if delta > 0 else None
     if why is not None:
         raise RuntimeError(why)
+
+
+class Sleepers:
+    """The threads asleep on one barrier (a collective's or named barrier's `exchange.Meeting`, an mbarrier's phase in
+    `emulated_hopper`), counted in their block's so that a block whose every thread sleeps fails instead of hanging.
+    Called with the barrier's lock held; its completion takes them all off before its thread goes on, so no woken
+    thread counts as asleep while the others check."""
+
+    def __init__(self):
+        self.count = 0
+
+    def add(self):
+        self.count += 1
+        _asleep(1)
+
+    def remove(self):
+        """One that woke without the barrier's completion (an mbarrier try's short wait ran out)."""
+        self.count -= 1
+        _asleep(-1)
+
+    def wake_all(self):
+        if self.count:
+            _asleep(-self.count)
+            self.count = 0
 
 
 def woke():
