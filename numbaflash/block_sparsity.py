@@ -156,13 +156,13 @@ class BlockMask:
 
     def grid_order(self, block_m, block_n, left, right):
         """int32 ``(batch or 1, nheads or 1, query tiles)``: the query tile the ``x``-th block of a head's row of the
-        grid runs (forward, dQ): the tiles that visit the most key tiles first, of equal ones the later rows first,
-        as `kernels.blocks.query_blocks` orders rows without a block mask. Blocks start in blockIdx.x order; in row
-        order each document's heaviest blocks come last among its own, and the last head's ran on alone at the
-        grid's end. Ordered within each head (all heads' longest first would outrun L2: README, the persistent
+        grid runs (forward, dQ): the tiles that visit the most key tiles first, of equal ones the later rows first, as
+        `kernels.blocks.query_blocks` orders rows without a block mask. Blocks start in blockIdx.x order; in row order
+        each document's heaviest blocks come last among its own, and the last head's ran on alone at the grid's end.
+        Ordered within each head (all heads' longest first would outrun L2: docs/performance.md, the persistent
         forward), 8 documents' forward at headdim 128 took 0.963x the time of the same kernel and table in row order
-        (0.878-0.979 over eight ABBA pairs), at 64 1.001x (0.996-1.011), the backward 0.985x and 1.000x; a causal
-        block mask's order is the rows' (H200, fp16, N = 16384, 16 heads, stream timing, `.bench/order_abba.py`)."""
+        (0.878-0.979 over eight ABBA pairs), at 64 1.001x (0.996-1.011), the backward 0.985x and 1.000x; a causal block
+        mask's order is the rows' (H200, fp16, N = 16384, 16 heads, stream timing, `.bench/order_abba.py`)."""
         counts = self.visited(block_m, block_n, left, right).sum(axis=-1)
         last = counts.shape[-1] - 1
         # a stable sort of the reversed rows keeps the later of two equal rows first

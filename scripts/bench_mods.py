@@ -20,8 +20,9 @@ tests' job; this guards the timings against a kernel that computes something els
     python scripts/bench_mods.py --variants ALiBi  # only these variants, with the bases they are timed against
 
 One pass times each variant once, at one moment of the GPU's clock and power state: the same kernels' ratios moved
-by 5-10% between runs (H100, README). ``--rounds`` times every variant once a round, each time right after its base
-kernel, the rounds starting at successive variants, and reports the median of those ratios with their range.
+by 5-10% between runs (H100, docs/modifications.md). ``--rounds`` times every variant once a round, each time right
+after its base kernel, the rounds starting at successive variants, and reports the median of those ratios with their
+range.
 
 A process compiles each variant's kernels before it times any (from an empty disk cache, one process timing the
 backward at headdim 64 ran out of an 8-minute limit: H100, 2026-11-28). ``--jobs N`` shares the variants among N
