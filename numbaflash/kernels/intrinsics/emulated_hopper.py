@@ -192,11 +192,10 @@ def mbarrier_try_wait(smem, i, parity):
     """1 once the phase of parity ``parity`` has completed (the current phase's parity differs), else 0
     after a short wait (the hardware's try_wait also suspends the thread for a while)."""
     barrier = _mbarriers()[int(i)]
-    thread = threading.current_thread()
     with barrier.cond:
         if barrier.phase % 2 == int(parity):
             simulated_blocks.waiting(lambda: barrier.phase % 2 == int(parity))
-            phase = barrier.phase
+            phase, thread = barrier.phase, threading.current_thread()
             # A thread that tries the same phase again spins on it (`wgmma.pipeline.wait`): asleep until the phase
             # completes (`simulated_blocks.Sleepers`). A single try may be a probe that goes on, and is not counted.
             spinning = thread.__dict__.get("_numbaflash_tried") == (id(barrier), phase)
